@@ -1,0 +1,66 @@
+"""dynbatch: batched ``torch.autograd.grad`` under ``torch.compile``.
+
+>>> import torch
+>>> W = torch.randn(8, 8)
+>>> @torch.compile(backend="dynbatch", fullgraph=True)
+... def jacobian(x):
+...     x = x.detach().requires_grad_()
+...     y = torch.tanh(x @ W)
+...     V = torch.eye(8).expand(x.shape[0], 8, 8).movedim(1, 0)
+...     return torch.autograd.grad(y, x, V, is_grads_batched=True)[0]
+>>> jacobian(torch.randn(4, 8)).shape
+torch.Size([8, 4, 8])
+
+Pipeline (docs/design.md): capture.py -> batching.py -> shape_checks.py ->
+lowering.py, joined by backend.py.
+"""
+
+from __future__ import annotations
+
+from ._compat import TORCH_VERSION, torch_is_supported
+from .backend import UnsupportedGraph, dynbatch_backend
+from .batched_grad import batched_grad
+from .batching import BatchingResult, batch_grads
+from .graph_text import graph_text
+from .options import Options
+from .records import STATS, CompileRecord
+
+__all__ = [
+    "BatchingResult", "CompileRecord", "Options", "UnsupportedGraph", "batch_grads",
+    "batched_grad", "compile_records", "counters", "dynbatch_backend", "fallback_reasons",
+    "graph_text", "register", "reset",
+]
+__version__ = "0.1.0"
+
+
+def counters() -> dict[str, int]:
+    """Cumulative counts: graphs, graphs_batched, grads_batched, grads_plain, fallbacks."""
+    return dict(STATS.counters)
+
+
+def fallback_reasons() -> dict[str, int]:
+    return dict(STATS.fallback_reasons)
+
+
+def compile_records() -> list[CompileRecord]:
+    """The last 64 compiles, oldest first, with the text of each graph."""
+    return list(STATS.records)
+
+
+def reset() -> None:
+    """Clear counters and records (Dynamo's own caches are torch._dynamo.reset())."""
+    STATS.reset()
+
+
+def register() -> None:
+    """Register "dynbatch" with Dynamo in-process (the entry point does this too)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "dynbatch" not in _BACKENDS or _BACKENDS.get("dynbatch") is not None:
+        register_backend(dynbatch_backend, name="dynbatch")
+
+
+if not torch_is_supported():  # pragma: no cover
+    import warnings
+
+    warnings.warn(f"dynbatch is tested on torch 2.11-2.14, not {TORCH_VERSION}", stacklevel=2)

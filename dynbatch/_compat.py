@@ -1,0 +1,189 @@
+"""The one place that touches private torch APIs.
+
+Dynamo, AOTAutograd and autograd internals move between releases; everything
+dynbatch needs from them goes through the small functions below so that a new
+torch version means editing this file only.  Supported: torch 2.11 - 2.14.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.torch_version import TorchVersion
+
+TORCH_VERSION = TorchVersion(torch.__version__)
+# Half-open range of supported releases. TorchVersion compares numerically, so
+# "2.9" < "2.11" holds (a plain string comparison would get this wrong).
+MIN_TORCH, MAX_TORCH = "2.11", "2.15"
+
+
+def torch_is_supported() -> bool:
+    return MIN_TORCH <= TORCH_VERSION < MAX_TORCH
+
+
+# --- autograd -------------------------------------------------------------
+
+def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
+    """How ``torch.autograd.grad`` normalises ``grad_outputs``."""
+    return torch.autograd._tensor_or_tensors_to_tuple(tensors, length)
+
+
+def sym_eq(a: Any, b: Any) -> Any:
+    from torch.fx.experimental.symbolic_shapes import sym_eq as _sym_eq
+
+    return _sym_eq(a, b)
+
+
+def expect_true(a: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import expect_true as _expect_true
+
+    return _expect_true(a)
+
+
+# --- Dynamo ---------------------------------------------------------------
+
+def trace_autograd_ops_enabled() -> Any:
+    """A context manager that lets Dynamo put ``torch.autograd.grad`` in the graph."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
+
+
+@contextlib.contextmanager
+def dynamo_inlines_module(module_name: str) -> Iterator[None]:
+    """Let Dynamo trace *into* a torch module's functions instead of calling them.
+
+    Dynamo lists ``torch.autograd.functional.jacobian`` and friends as
+    in-graph functions and then cannot put them in the graph (they take a
+    Python callable), so it graph-breaks.  Inlining them exposes the
+    ``torch.autograd.grad(..., is_grads_batched=True)`` call inside.
+    """
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import UserFunctionVariable
+
+    rules = trace_rules.get_torch_obj_rule_map()  # functools.cache: one shared dict
+    saved = {k: v for k, v in rules.items() if getattr(k, "__module__", None) == module_name}
+    rules.update(dict.fromkeys(saved, UserFunctionVariable))
+    try:
+        yield
+    finally:
+        rules.update(saved)
+
+
+def dynamo_utils_module() -> Any:
+    """The module whose ``run_node`` Dynamo calls to fake-run each captured node."""
+    import torch._dynamo.utils as dynamo_utils
+
+    if not hasattr(dynamo_utils, "run_node"):  # pragma: no cover - version guard
+        raise ImportError(f"torch {torch.__version__}: torch._dynamo.utils.run_node is gone")
+    return dynamo_utils
+
+
+def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
+    """Enter ``scope_for(backend)`` around each Dynamo frame compile.
+
+    Dynamo has no public hook that runs before tracing *and* knows the
+    backend: ``torch.compile`` does not forward a backend's
+    ``backend_ctx_ctor``, and compile start/end callbacks are wiped by
+    ``torch._dynamo.reset()``.  ``convert_frame._compile`` is the per-frame
+    entry point and receives the backend as ``compiler_fn``; we wrap it once.
+    For other backends the wrapper only unwraps the backend and compares it.
+    """
+    import torch._dynamo.convert_frame as convert_frame
+
+    original = convert_frame._compile
+    if getattr(original, "_dynbatch_original", None) is not None:
+        return
+    params = list(inspect.signature(original).parameters)
+    position = params.index("compiler_fn")
+
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        backend = args[position] if len(args) > position else kwargs.get("compiler_fn")
+        with scope_for(unwrap_backend(backend)):
+            return original(*args, **kwargs)
+
+    _compile._dynbatch_original = original  # type: ignore[attr-defined]
+    convert_frame._compile = _compile
+
+
+def unwrap_dynamo_compile() -> None:
+    import torch._dynamo.convert_frame as convert_frame
+
+    original = getattr(convert_frame._compile, "_dynbatch_original", None)
+    if original is not None:
+        convert_frame._compile = original
+
+
+def unwrap_backend(fn: Any) -> Any:
+    """Peel Dynamo's and torch.compile's wrappers off a backend callable."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if hasattr(fn, "_torchdynamo_orig_backend"):  # WrapBackendDebug, callbacks
+            fn = fn._torchdynamo_orig_backend
+        elif hasattr(fn, "compiler_fn"):  # torch._TorchCompileWrapper
+            fn = fn.compiler_fn
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+    return fn
+
+
+def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions Dynamo uses to steer tracing; they must pass through us."""
+    from torch._dynamo import exc as dynamo_exc
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    excs: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
+    for mod, name in [
+        (fake_tensor, "DataDependentOutputException"),
+        (fake_tensor, "DynamicOutputShapeException"),
+        (fake_tensor, "UnsupportedOperatorException"),
+        (fake_tensor, "UnsupportedFakeTensorException"),
+        (symbolic_shapes, "GuardOnDataDependentSymNode"),
+        (symbolic_shapes, "PendingUnbackedSymbolNotFound"),
+    ]:
+        if hasattr(mod, name):
+            excs.append(getattr(mod, name))
+    return tuple(excs)
+
+
+# --- Inductor -------------------------------------------------------------
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """Translate torch.compile's ``mode``/``options`` as the inductor backend does.
+
+    Reusing ``_TorchCompileInductorWrapper`` gives identical validation: an
+    unknown Inductor option raises the same error as under backend="inductor".
+    """
+    wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
+    return dict(wrapper.config)
+
+
+def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(
+        gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches
+    )
+
+
+def compile_fx_inner() -> Callable:
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner
+
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+
+    return _aot_autograd(**kwargs)
+
+
+def make_boxed_func(fn: Callable) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
+
+    return _make_boxed_func(fn)

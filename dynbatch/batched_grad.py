@@ -1,0 +1,92 @@
+"""The batching rule: ``torch.autograd.grad(..., is_grads_batched=True)`` on functorch.
+
+Eager PyTorch maps the backward over the batch with the legacy
+``torch._vmap_internals._vmap``, which loops per sample over every op that has
+no legacy batching rule and cannot see symbolic sizes.  ``torch.func.vmap``
+has batching rules for the backward ops and traces with a symbolic batch size,
+so one call here becomes one set of batched kernels whatever B is.
+
+This module is the rule alone; finding the calls to rewrite is batching.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import _compat, shape_checks
+
+
+def _as_tuple(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, dict):
+        return tuple(x.values())
+    return tuple(x)
+
+
+def batched_grad(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    inputs: torch.Tensor | Sequence[torch.Tensor],
+    grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    only_inputs: bool = True,
+    allow_unused: bool | None = None,
+    is_grads_batched: bool = True,
+    materialize_grads: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """Same contract as ``torch.autograd.grad(..., is_grads_batched=True)``.
+
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> y = x.sin()
+    >>> (jac,) = batched_grad(y, x, torch.eye(3))
+    >>> torch.allclose(jac, torch.diag(x.cos()))
+    True
+    """
+    if not is_grads_batched:
+        raise ValueError("batched_grad is the is_grads_batched=True rule")
+    if materialize_grads and allow_unused is False:
+        raise ValueError(
+            "Expected allow_unused to be True or not passed when materialize_grads=True, "
+            "but got: allow_unused=False."
+        )
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    if retain_graph is None:
+        retain_graph = create_graph
+    outputs, inputs = _as_tuple(outputs), _as_tuple(inputs)
+    if len(inputs) == 0:
+        raise RuntimeError("`inputs` argument to `grad()` cannot be empty.")
+    cotangents = _compat.tensor_or_tensors_to_tuple(grad_outputs, len(outputs))
+    # Eager pairs outputs with grad_outputs by zip(): extra cotangents are ignored.
+    cotangents = cotangents[: len(outputs)]
+    shape_checks.check_grad_outputs(outputs, cotangents, is_grads_batched=True)
+
+    # vmap cannot return None, so the per-sample function returns the used
+    # grads only and remembers which were None; that pattern is a property of
+    # the autograd graph, the same for every sample.
+    unused: list[bool] = []
+
+    def vjp(*per_sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grads = torch.autograd.grad(
+            outputs,
+            inputs,
+            per_sample,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            allow_unused=allow_unused,
+        )
+        unused[:] = [g is None for g in grads]
+        return tuple(g for g in grads if g is not None)
+
+    used_grads = iter(torch.func.vmap(vjp)(*cotangents))
+    result = tuple(None if is_unused else next(used_grads) for is_unused in unused)
+    if materialize_grads:
+        # Eager materialises unused grads unbatched (zeros_like(input)); match it.
+        result = tuple(
+            g if g is not None else torch.zeros_like(inp, requires_grad=create_graph)
+            for g, inp in zip(result, inputs)
+        )
+    return result

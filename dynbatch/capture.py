@@ -1,0 +1,115 @@
+"""Stage 1: capture ``torch.autograd.grad`` calls into the Dynamo graph.
+
+Stock Dynamo graph-breaks on ``torch.autograd.grad`` unless
+``torch._dynamo.config.trace_autograd_ops`` is set, and with it set Dynamo
+fake-runs batched grads through the legacy ``_vmap_internals``, which crashes
+once the batch size is symbolic.  dynbatch changes both, for its own compiles
+only.
+
+NOTE [Scoped capture]
+``torch.compile`` does not forward a backend's ``backend_ctx_ctor``, so the
+change cannot be a context around the compiled call.  Instead dynbatch wraps
+Dynamo's per-frame compile entry point once (``_compat.wrap_dynamo_compile``)
+and, only when the frame is being compiled for dynbatch, enters a scope that
+(1) sets ``trace_autograd_ops=True``, (2) lets Dynamo inline
+``torch.autograd.functional`` (jacobian/hessian with vectorize=True call
+``torch.autograd.grad(..., is_grads_batched=True)`` inside), and (3) routes Dynamo's fake-tensor run
+of each captured ``torch.autograd.grad`` node through ``trace_grad`` below.
+Both are undone when that frame's compile ends.  Dynamo compiles one frame
+at a time under a global lock, so the scope never overlaps another backend's
+compile, and other backends see stock Dynamo.
+
+NOTE [Errors are eager's]
+If a captured grad would raise (bad shapes, unused input without
+allow_unused, a freed graph, ...), Dynamo would wrap the error in its own
+``TorchRuntimeError``.  ``trace_grad`` instead records eager's error on the
+node (``node.meta[TRACE_ERROR]``) and returns stand-in results of the right
+shapes so tracing can go on.  The batching pass sees the record and the
+backend runs the captured graph eagerly, so the call raises exactly eager's
+exception, message and type, at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from . import _compat
+from .batched_grad import batched_grad
+
+log = logging.getLogger("dynbatch")
+
+# node.meta key: the "Type: message" eager raises for this grad call.
+TRACE_ERROR = "dynbatch_trace_error"
+
+def install() -> None:
+    """Hook dynbatch's capture scope into Dynamo (idempotent). Runs when dynbatch loads."""
+    _compat.wrap_dynamo_compile(_scope_for)
+
+
+def uninstall() -> None:
+    _compat.unwrap_dynamo_compile()
+
+
+def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
+    if getattr(backend, "_dynbatch_backend", False):
+        return capture_scope()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def capture_scope():
+    """Trace ``torch.autograd.grad`` into the graph, batched grads via functorch."""
+    utils = _compat.dynamo_utils_module()
+    original_run_node = utils.run_node
+
+    def run_node(tracer: Any, node: torch.fx.Node, args: Any, kwargs: Any, nnmodule: Any) -> Any:
+        if node.op == "call_function" and node.target is torch.autograd.grad:
+            return trace_grad(node, args, kwargs)
+        return original_run_node(tracer, node, args, kwargs, nnmodule)
+
+    with _compat.trace_autograd_ops_enabled(), _compat.dynamo_inlines_module(
+        "torch.autograd.functional"
+    ):
+        utils.run_node = run_node
+        try:
+            yield
+        finally:
+            utils.run_node = original_run_node
+
+
+def trace_grad(node: torch.fx.Node | None, args: Any, kwargs: Any) -> Any:
+    """Fake-run one captured grad call. See NOTE [Errors are eager's]."""
+    fn = batched_grad if kwargs.get("is_grads_batched", False) else torch.autograd.grad
+    try:
+        return fn(*args, **kwargs)
+    except _compat.dynamo_control_exceptions():
+        raise
+    except Exception as e:  # noqa: BLE001 - any error is eager's to raise
+        reason = f"{type(e).__name__}: {e}"
+        log.debug("captured grad %s raises at trace time: %s", getattr(node, "name", "?"), reason)
+        if node is not None:
+            node.meta[TRACE_ERROR] = reason
+        return _stand_in_grads(args, kwargs)
+
+
+def _stand_in_grads(args: Any, kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """Zeros shaped like the grads eager would return, so tracing can go on."""
+    inputs = args[1] if len(args) > 1 else kwargs["inputs"]
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grad_outputs = args[2] if len(args) > 2 else kwargs.get("grad_outputs")
+    requires_grad = bool(kwargs.get("create_graph", False))
+    batch: tuple = ()
+    if kwargs.get("is_grads_batched", False):
+        firsts = [g for g in _compat.tensor_or_tensors_to_tuple(grad_outputs, 1)
+                  if isinstance(g, torch.Tensor) and g.dim() > 0]
+        batch = (firsts[0].shape[0],) if firsts else (1,)
+    return tuple(
+        torch.zeros((*batch, *inp.shape), dtype=inp.dtype, device=inp.device,
+                    requires_grad=requires_grad and inp.dtype.is_floating_point)
+        for inp in inputs
+        if isinstance(inp, torch.Tensor)
+    )

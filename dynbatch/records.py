@@ -1,0 +1,57 @@
+"""What dynbatch did: counters tests can assert on and per-compile records.
+
+Counters are cumulative since the last :func:`reset`; records keep the text
+of each graph (never the graph itself, which would hold tensors alive).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+_MAX_RECORDS = 64
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    """One call of the dynbatch backend, i.e. one Dynamo graph."""
+
+    dynamo_graph: str = ""  # the graph Dynamo captured
+    batched_graph: str = ""  # after the batching pass
+    aten_graphs: list[str] = dataclasses.field(default_factory=list)  # what the inner compiler received
+    aten_node_counts: list[int] = dataclasses.field(default_factory=list)
+    batched: tuple[str, ...] = ()
+    plain: tuple[str, ...] = ()
+    fallback_reason: str | None = None
+
+    @property
+    def fell_back(self) -> bool:
+        return self.fallback_reason is not None
+
+
+class Stats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with getattr(self, "_lock", threading.Lock()):
+            self.counters: collections.Counter[str] = collections.Counter()
+            self.fallback_reasons: collections.Counter[str] = collections.Counter()
+            self.records: collections.deque[CompileRecord] = collections.deque(maxlen=_MAX_RECORDS)
+
+    def add(self, record: CompileRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+            self.counters["graphs"] += 1
+            self.counters["grads_batched"] += len(record.batched)
+            self.counters["grads_plain"] += len(record.plain)
+            if record.fell_back:
+                self.counters["fallbacks"] += 1
+                self.fallback_reasons[record.fallback_reason] += 1
+            elif record.batched:
+                self.counters["graphs_batched"] += 1
+
+
+STATS = Stats()
