@@ -32,6 +32,16 @@ def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
     return torch.autograd._tensor_or_tensors_to_tuple(tensors, length)
 
 
+def shapes_for_message(output: Any, first_grad: Any, is_grads_batched: bool) -> tuple:
+    """The (output, grad) shapes eager prints in its mismatch message.
+
+    Eager slices the batch dimension off ``grad[0]`` again, so a batched
+    message shows ``grad.shape[2:]``; users compare our text with eager's, so
+    we reuse eager's helper rather than fix it here.
+    """
+    return torch.autograd._calculate_shape(output, first_grad, is_grads_batched)
+
+
 def sym_eq(a: Any, b: Any) -> Any:
     from torch.fx.experimental.symbolic_shapes import sym_eq as _sym_eq
 

@@ -53,18 +53,19 @@ def _check_sizes(i: int, out: torch.Tensor, grad: torch.Tensor, batched: bool) -
         per_sample = grad.shape
     if _compat.expect_true(_compat.sym_eq(out.shape, per_sample)):
         return
+    out_shape, grad_shape = _compat.shapes_for_message(out, grad[0] if batched else grad, batched)
     if batched:
         raise RuntimeError(
             "If `is_grads_batched=True`, we interpret the first dimension of each "
             "grad_output as the batch dimension. The sizes of the remaining dimensions "
             "are expected to match the shape of corresponding output, but a mismatch "
-            f"was detected: grad_output[{i}] has a shape of {per_sample} and "
-            f"output[{i}] has a shape of {out.shape}. If you only want some tensors in "
+            f"was detected: grad_output[{i}] has a shape of {grad_shape} and "
+            f"output[{i}] has a shape of {out_shape}. If you only want some tensors in "
             "`grad_output` to be considered batched, consider using vmap."
         )
     raise RuntimeError(
-        f"Mismatch in shape: grad_output[{i}] has a shape of {grad.shape} and "
-        f"output[{i}] has a shape of {out.shape}."
+        f"Mismatch in shape: grad_output[{i}] has a shape of {grad_shape} and "
+        f"output[{i}] has a shape of {out_shape}."
     )
 
 

@@ -1,0 +1,64 @@
+"""Registration by entry point, and no lasting change to Dynamo for other backends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import dynbatch
+from dynbatch import _compat
+
+PROGRAM = textwrap.dedent("""
+    import sys, torch
+    def f(x, V):
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(x.sin(), x, V, is_grads_batched=True)[0]
+    x, V = torch.randn(3), torch.randn(4, 3)
+    out = torch.compile(f, backend="dynbatch", fullgraph=True,
+                        options={"dynbatch.inner_compiler": "aot_eager"})(x, V)
+    torch.testing.assert_close(out, f(x, V))
+    import dynbatch
+    assert dynbatch.counters()["graphs_batched"] == 1, dynbatch.counters()
+    print("ok")
+""")
+
+
+def test_backend_works_in_a_fresh_process_without_importing_dynbatch():
+    proc = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_dynbatch_is_listed_by_dynamo():
+    assert "dynbatch" in torch._dynamo.list_backends()
+
+
+def grad_program(x):
+    x = x.detach().requires_grad_()
+    return torch.autograd.grad(x.sin().sum(), x)[0]
+
+
+def test_other_backends_still_see_stock_dynamo():
+    # A dynbatch compile first, so its scope has been entered and left.
+    torch.compile(grad_program, backend="dynbatch", options={"dynbatch.inner_compiler": "aot_eager"})(torch.randn(3))
+    assert torch._dynamo.config.trace_autograd_ops is False
+    torch._dynamo.reset()
+    # Under another backend, autograd.grad graph-breaks exactly as in stock torch.
+    explanation = torch._dynamo.explain(grad_program)(torch.randn(3))
+    assert explanation.graph_break_count >= 1
+    assert any("trace_autograd_ops" in str(b.reason) for b in explanation.break_reasons)
+
+
+def test_capture_hook_survives_dynamo_reset():
+    torch._dynamo.reset()
+    out = torch.compile(grad_program, backend="dynbatch", fullgraph=True,
+                        options={"dynbatch.inner_compiler": "aot_eager"})(torch.ones(3))
+    torch.testing.assert_close(out, torch.ones(3).cos())
+    assert dynbatch.counters()["graphs"] == 1
+
+
+def test_version_is_supported():
+    assert _compat.torch_is_supported(), torch.__version__
