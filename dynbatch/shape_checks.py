@@ -92,7 +92,8 @@ def check_batch_sizes_agree(grad_outputs: Sequence[Any]) -> None:
     if not sizes:
         return
     i0, b0 = sizes[0]
-    if _compat.expect_true(b0 != 0) is False:
+    # Eager indexes grad_outputs[0][0]; Dynamo always specialises a size of 0.
+    if isinstance(b0, int) and b0 == 0:
         raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
     for i, b in sizes[1:]:
         if not _compat.expect_true(_compat.sym_eq(b, b0)):
