@@ -21,6 +21,12 @@ TORCH_VERSION = TorchVersion(torch.__version__)
 MIN_TORCH, MAX_TORCH = "2.11", "2.15"
 
 
+# Dynamo traces Tensor.requires_grad_() inside a compiled function from 2.13 on;
+# 2.11 graph-breaks on it (seen on 2.11.0; 2.12 not checked), which also
+# affects torch.autograd.functional.jacobian/hessian.
+DYNAMO_TRACES_REQUIRES_GRAD_ = TORCH_VERSION >= "2.13"
+
+
 def torch_is_supported() -> bool:
     return MIN_TORCH <= TORCH_VERSION < MAX_TORCH
 
@@ -159,6 +165,26 @@ def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
         if hasattr(mod, name):
             excs.append(getattr(mod, name))
     return tuple(excs)
+
+
+@contextlib.contextmanager
+def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
+    """Discard the unbacked SymInts a fake run allocates; yield a counter of them.
+
+    A backward can allocate unbacked sizes that its grads do not carry (e.g.
+    ``nonzero`` in index_put's backward with a boolean mask); left pending,
+    Dynamo fails with PendingUnbackedSymbolNotFound.  The caller learns how
+    many were made (the yielded function) and decides what to do.
+    """
+    from torch._guards import detect_fake_mode
+
+    shape_env = getattr(detect_fake_mode(), "shape_env", None)
+    if shape_env is None or not hasattr(shape_env, "ignore_fresh_unbacked_symbols"):
+        yield lambda: 0
+        return
+    before = shape_env.counter["create_unbacked_symbol"]
+    with shape_env.ignore_fresh_unbacked_symbols():
+        yield lambda: shape_env.counter["create_unbacked_symbol"] - before
 
 
 # --- Inductor -------------------------------------------------------------

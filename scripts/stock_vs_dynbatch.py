@@ -28,7 +28,6 @@ def _program(device):
     Ws = [(torch.randn(WIDTH, WIDTH, generator=g) / WIDTH ** 0.5).to(device) for _ in range(3)]
 
     def vjp(x, V):
-        x = x.detach().requires_grad_()
         y = x
         for W in Ws:
             y = torch.tanh(y @ W)
@@ -67,7 +66,7 @@ def worker(variant, task, device, batch_sizes):
     else:
         def graphs_seen():
             pass
-    x = torch.randn(N, WIDTH, device=device)
+    x = torch.randn(N, WIDTH, device=device, requires_grad=True)
     out = {"variant": variant, "task": task}
     if task == "sweep":
         compiled = torch.compile(vjp, backend=backend, fullgraph=True)

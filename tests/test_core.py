@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dynbatch
+from dynbatch import _compat
 from conftest import AOT_EAGER, assert_backend_ran, assert_same_grads, compile_dynbatch, eager_loop_grad
 
 torch.manual_seed(0)
@@ -20,11 +21,24 @@ def mlp(x):
     return torch.tanh(torch.tanh(x @ W1) @ W2)
 
 
+needs_requires_grad_tracing = pytest.mark.skipif(
+    not _compat.DYNAMO_TRACES_REQUIRES_GRAD_,
+    reason="requires_grad_() inside a compiled function (also in torch.autograd.functional):"
+    " Dynamo traces only from torch 2.13",
+)
+
+
 def leaf(x):
+    """A fresh leaf that requires grad, made outside the compiled function.
+
+    Dynamo in torch 2.11 cannot trace ``requires_grad_()``, so the programs
+    differentiate with respect to inputs that already require grad.
+    """
     return x.detach().requires_grad_()
 
 
-def check(fn, *args, batched=1, atol=None, rtol=None):
+def check(fn, *args, primals=1, batched=1, atol=None, rtol=None):
+    args = [leaf(a) for a in args[:primals]] + list(args[primals:])
     expected = fn(*args)
     actual = compile_dynbatch(fn)(*args)
     assert_same_grads(actual, expected, atol=atol, rtol=rtol)
@@ -34,7 +48,6 @@ def check(fn, *args, batched=1, atol=None, rtol=None):
 
 def test_single_tensor_input_matches_eager_and_loop():
     def f(x, V):
-        x = leaf(x)
         return torch.autograd.grad(mlp(x), x, V, is_grads_batched=True)
 
     x, V = torch.randn(4, 6), torch.randn(5, 4, 6)
@@ -46,37 +59,33 @@ def test_single_tensor_input_matches_eager_and_loop():
 @pytest.mark.parametrize("container", [tuple, list])
 def test_several_outputs_and_inputs(container):
     def f(x, z, V1, V2):
-        x, z = leaf(x), leaf(z)
         y1 = (x * z).sin()
         y2 = (x.exp() @ W1).sum(0)
         return torch.autograd.grad(container([y1, y2]), container([x, z]), container([V1, V2]),
                                    is_grads_batched=True)
 
-    check(f, torch.randn(4, 6), torch.randn(4, 6), torch.randn(3, 4, 6), torch.randn(3, 6))
+    check(f, torch.randn(4, 6), torch.randn(4, 6), torch.randn(3, 4, 6), torch.randn(3, 6), primals=2)
 
 
 def test_allow_unused_gives_none_where_eager_does():
     def f(x, z, V):
-        x, z = leaf(x), leaf(z)
         return torch.autograd.grad(mlp(x), (x, z), V, is_grads_batched=True, allow_unused=True)
 
-    got = check(f, torch.randn(4, 6), torch.randn(3), torch.randn(2, 4, 6))
+    got = check(f, torch.randn(4, 6), torch.randn(3), torch.randn(2, 4, 6), primals=2)
     assert got[1] is None
 
 
 def test_materialize_grads_matches_eager_shapes():
     # Eager materialises unused batched grads as zeros_like(input), unbatched.
     def f(x, z, V):
-        x, z = leaf(x), leaf(z)
         return torch.autograd.grad(mlp(x), (x, z), V, is_grads_batched=True, materialize_grads=True)
 
-    got = check(f, torch.randn(4, 6), torch.randn(3), torch.randn(2, 4, 6))
+    got = check(f, torch.randn(4, 6), torch.randn(3), torch.randn(2, 4, 6), primals=2)
     assert got[1].shape == (3,)
 
 
 def test_retain_graph_allows_a_second_grad():
     def f(x, V):
-        x = leaf(x)
         y = mlp(x)
         (g1,) = torch.autograd.grad(y, x, V, is_grads_batched=True, retain_graph=True)
         (g2,) = torch.autograd.grad(y, x, 2 * V, is_grads_batched=True)
@@ -87,7 +96,6 @@ def test_retain_graph_allows_a_second_grad():
 
 def test_create_graph_hessian_rows_and_backprop_through_batched_result():
     def f(x, V):
-        x = leaf(x)
         (g,) = torch.autograd.grad(mlp(x).pow(2).sum(), x, create_graph=True)
         (H,) = torch.autograd.grad(g, x, V, is_grads_batched=True, create_graph=True)
         (third,) = torch.autograd.grad(H.pow(2).sum(), x)  # backprop through the batched result
@@ -100,7 +108,6 @@ def test_create_graph_hessian_rows_and_backprop_through_batched_result():
 
 def test_grad_of_batched_grad_create_graph():
     def f(x, V):
-        x = leaf(x)
         (g,) = torch.autograd.grad((x.sin() * x), x, V, is_grads_batched=True, create_graph=True)
         return torch.autograd.grad(g.sum(), x)
 
@@ -109,10 +116,19 @@ def test_grad_of_batched_grad_create_graph():
 
 def test_non_leaf_intermediate_input():
     def f(x, V):
-        h = leaf(x) * 2
+        h = x * 2
         return torch.autograd.grad(mlp(h), h, V, is_grads_batched=True)
 
     check(f, torch.randn(4, 6), torch.randn(3, 4, 6))
+
+
+@needs_requires_grad_tracing
+def test_requires_grad_inside_the_compiled_function():
+    def f(x, V):
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(mlp(x), x, V, is_grads_batched=True)
+
+    check(f, torch.randn(4, 6), torch.randn(3, 4, 6), primals=0)
 
 
 def test_leaf_graph_input_requiring_grad():
@@ -125,7 +141,6 @@ def test_leaf_graph_input_requiring_grad():
 @pytest.mark.parametrize("layout", ["non_contiguous", "expanded", "stride0_batch"])
 def test_cotangent_layouts(layout):
     def f(x, V):
-        x = leaf(x)
         return torch.autograd.grad(mlp(x), x, V, is_grads_batched=True)
 
     V = {
@@ -139,7 +154,6 @@ def test_cotangent_layouts(layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_dtypes(dtype):
     def f(x, V):
-        x = leaf(x)
         return torch.autograd.grad(torch.tanh(x @ W1.to(x.dtype)), x, V, is_grads_batched=True)
 
     got = check(f, torch.randn(4, 6, dtype=dtype), torch.randn(3, 4, 6, dtype=dtype))
@@ -148,12 +162,12 @@ def test_dtypes(dtype):
 
 def test_batch_size_one():
     def f(x, V):
-        x = leaf(x)
         return torch.autograd.grad(mlp(x), x, V, is_grads_batched=True)
 
     check(f, torch.randn(4, 6), torch.randn(1, 4, 6))
 
 
+@needs_requires_grad_tracing
 def test_functional_jacobian_vectorize():
     def f(x):
         return torch.autograd.functional.jacobian(mlp, x, vectorize=True)
@@ -161,6 +175,7 @@ def test_functional_jacobian_vectorize():
     check(f, torch.randn(3, 6))
 
 
+@needs_requires_grad_tracing
 def test_functional_hessian_vectorize():
     def f(x):
         return torch.autograd.functional.hessian(lambda z: mlp(z).sum(), x, vectorize=True)
@@ -174,7 +189,6 @@ def test_plain_grad_and_batched_grad_in_one_graph():
     """Forces (-dE/dx) by a plain grad and the Hessian by a batched grad."""
 
     def f(pos, V):
-        pos = leaf(pos)
         d = (pos.unsqueeze(0) - pos.unsqueeze(1)).pow(2).sum(-1) + torch.eye(pos.shape[0])
         energy = (d.pow(-6) - d.pow(-3)).sum()
         (g,) = torch.autograd.grad(energy, pos, create_graph=True)
@@ -190,10 +204,9 @@ def test_result_under_inductor():
     """The same program through Inductor's C++ backend (the default inner compiler)."""
 
     def f(x, V):
-        x = leaf(x)
         return torch.autograd.grad(mlp(x), x, V, is_grads_batched=True)
 
-    x, V = torch.randn(4, 6), torch.randn(5, 4, 6)
+    x, V = leaf(torch.randn(4, 6)), torch.randn(5, 4, 6)
     got = torch.compile(f, backend="dynbatch", fullgraph=True)(x, V)
     assert_same_grads(got, f(x, V))
     assert_backend_ran(graphs=1, batched=1)

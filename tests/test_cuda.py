@@ -28,7 +28,6 @@ def make_mlp(width=64):
     Ws = [(torch.randn(width, width, generator=g) / width ** 0.5).cuda() for _ in range(3)]
 
     def vjp(x, V):
-        x = x.detach().requires_grad_()
         y = x
         for W in Ws:
             y = torch.tanh(y @ W)
@@ -40,7 +39,7 @@ def make_mlp(width=64):
 def test_triton_kernels_and_eager_parity():
     vjp = make_mlp()
     compiled = torch.compile(vjp, backend="dynbatch", fullgraph=True)
-    x, V = torch.randn(8, 64, device="cuda"), torch.randn(16, 8, 64, device="cuda")
+    x, V = torch.randn(8, 64, device="cuda", requires_grad=True), torch.randn(16, 8, 64, device="cuda")
     result, code = run_and_get_code(compiled, x, V)
     assert_same_grads(result, vjp(x, V), atol=1e-5, rtol=1e-4)
     assert "triton" in "\n".join(code)
@@ -50,7 +49,7 @@ def test_triton_kernels_and_eager_parity():
 def test_batch_sweep_on_cuda_compiles_at_most_two_graphs():
     vjp = make_mlp()
     compiled = torch.compile(vjp, backend="dynbatch", fullgraph=True)
-    x = torch.randn(8, 64, device="cuda")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
     for B in (2, 3, 5, 8, 13, 32, 64, 100, 128):
         V = torch.randn(B, 8, 64, device="cuda")
         assert_same_grads(compiled(x, V), vjp(x, V), atol=1e-5, rtol=1e-4)
@@ -63,11 +62,10 @@ def test_hessian_rows_and_loop_oracle_on_cuda(dtype):
     W = (torch.randn(32, 32) / 6).to("cuda", dtype)
 
     def hess_rows(x, V):
-        x = x.detach().requires_grad_()
         (g,) = torch.autograd.grad(torch.tanh(x @ W).pow(2).sum(), x, create_graph=True)
         return torch.autograd.grad(g, x, V, is_grads_batched=True)
 
-    x = torch.randn(2, 32, device="cuda", dtype=dtype)
+    x = torch.randn(2, 32, device="cuda", dtype=dtype, requires_grad=True)
     V = torch.eye(64, device="cuda", dtype=dtype).reshape(64, 2, 32)
     got = torch.compile(hess_rows, backend="dynbatch", fullgraph=True)(x, V)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
@@ -79,7 +77,7 @@ def test_hessian_rows_and_loop_oracle_on_cuda(dtype):
 
 def test_error_is_eagers_on_cuda():
     vjp = make_mlp()
-    x, V = torch.randn(8, 64, device="cuda"), torch.randn(4, 8, 63, device="cuda")
+    x, V = torch.randn(8, 64, device="cuda", requires_grad=True), torch.randn(4, 8, 63, device="cuda")
     with pytest.raises(RuntimeError) as eager:
         vjp(x, V)
     with pytest.raises(RuntimeError) as ours:

@@ -17,26 +17,23 @@ W = torch.randn(4, 4)
 
 
 def vjp_program(x, V):
-    x = x.detach().requires_grad_()
     return torch.autograd.grad(torch.tanh(x @ W), x, V, is_grads_batched=True)
 
 
 def two_output_program(x, V1, V2):
-    x = x.detach().requires_grad_()
     return torch.autograd.grad((x.sin(), x.cos()), x, (V1, V2), is_grads_batched=True)
 
 
 def implicit_program(x):
-    x = x.detach().requires_grad_()
     return torch.autograd.grad(x.sin(), x, None, is_grads_batched=True)
 
 
 CASES = {
-    "batched_shape_mismatch": (vjp_program, lambda: (torch.randn(3, 4), torch.randn(2, 3, 5))),
-    "complex_grad_for_real_output": (vjp_program, lambda: (torch.randn(3, 4), torch.randn(2, 3, 4, dtype=torch.complex64))),
-    "implicit_grad_of_non_scalar": (implicit_program, lambda: (torch.randn(3),)),
-    "batch_sizes_disagree": (two_output_program, lambda: (torch.randn(3), torch.randn(2, 3), torch.randn(5, 3))),
-    "batch_size_zero": (vjp_program, lambda: (torch.randn(3, 4), torch.randn(0, 3, 4))),
+    "batched_shape_mismatch": (vjp_program, lambda: (torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 5))),
+    "complex_grad_for_real_output": (vjp_program, lambda: (torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4, dtype=torch.complex64))),
+    "implicit_grad_of_non_scalar": (implicit_program, lambda: (torch.randn(3, requires_grad=True),)),
+    "batch_sizes_disagree": (two_output_program, lambda: (torch.randn(3, requires_grad=True), torch.randn(2, 3), torch.randn(5, 3))),
+    "batch_size_zero": (vjp_program, lambda: (torch.randn(3, 4, requires_grad=True), torch.randn(0, 3, 4))),
 }
 
 
@@ -75,8 +72,8 @@ def test_on_unsupported_error_raises_with_the_reason():
 def test_good_call_after_bad_call_compiles_and_batches():
     compiled = compile_dynbatch(vjp_program, options=FALLBACK)
     with pytest.raises(RuntimeError):
-        compiled(torch.randn(3, 4), torch.randn(2, 3, 5))
-    x, V = torch.randn(3, 4), torch.randn(2, 3, 4)
+        compiled(torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 5))
+    x, V = torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4)
     torch.testing.assert_close(compiled(x, V), vjp_program(x, V))
     assert dynbatch.counters()["graphs_batched"] == 1
 
@@ -134,7 +131,7 @@ def test_unknown_dynbatch_option_lists_known_ones():
 def test_unknown_option_at_compile_time_raises():
     compiled = torch.compile(vjp_program, backend="dynbatch", options={"dynbatch.nope": 1})
     with pytest.raises(Exception, match="known dynbatch options"):
-        compiled(torch.randn(3, 4), torch.randn(2, 3, 4))
+        compiled(torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4))
 
 
 def test_unknown_inductor_option_raises_like_inductor():
@@ -153,7 +150,7 @@ def test_mode_and_options_reach_inductor(monkeypatch):
         return real(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
 
     monkeypatch.setattr(_compat, "compile_fx", spy)
-    x, V = torch.randn(3, 4), torch.randn(2, 3, 4)
+    x, V = torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4)
     torch.compile(vjp_program, backend="dynbatch", options={"epilogue_fusion": False})(x, V)
     assert seen[-1]["epilogue_fusion"] is False
     torch._dynamo.reset()

@@ -14,7 +14,6 @@ W1, W2, W3 = (torch.randn(16, 16) / 4 for _ in range(3))
 
 
 def mlp_vjp(x, V):
-    x = x.detach().requires_grad_()
     y = torch.tanh(torch.tanh(torch.tanh(x @ W1) @ W2) @ W3)
     return torch.autograd.grad(y, x, V, is_grads_batched=True)
 
@@ -24,7 +23,7 @@ SWEEP = [2, 3, 5, 8, 13, 32, 64, 100, 128]
 
 def test_batch_sweep_compiles_at_most_two_graphs_under_inductor():
     compiled = torch.compile(mlp_vjp, backend="dynbatch", fullgraph=True)
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, requires_grad=True)
     for B in SWEEP:
         V = torch.randn(B, 4, 16)
         assert_same_grads(compiled(x, V), mlp_vjp(x, V))
@@ -37,7 +36,7 @@ def test_batch_sweep_compiles_at_most_two_graphs_under_inductor():
 
 def test_batch_sweep_with_dynamic_true_compiles_once():
     compiled = compile_dynbatch(mlp_vjp, dynamic=True)
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, requires_grad=True)
     for B in SWEEP:
         V = torch.randn(B, 4, 16)
         assert_same_grads(compiled(x, V), mlp_vjp(x, V))
@@ -46,7 +45,7 @@ def test_batch_sweep_with_dynamic_true_compiles_once():
 
 def test_no_recompile_on_repeated_calls():
     compiled = compile_dynbatch(mlp_vjp)
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, requires_grad=True)
     compiled(x, torch.randn(3, 4, 16))
     compiled(x, torch.randn(5, 4, 16))  # becomes dynamic
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -59,7 +58,7 @@ def _aten_node_count(B: int, options=None) -> tuple[int, str]:
     torch._dynamo.reset()
     dynbatch.reset()
     compiled = torch.compile(mlp_vjp, backend="dynbatch", fullgraph=True, dynamic=False, options=options)
-    x, V = torch.randn(4, 16), torch.randn(B, 4, 16)
+    x, V = torch.randn(4, 16, requires_grad=True), torch.randn(B, 4, 16)
     assert_same_grads(compiled(x, V), mlp_vjp(x, V))
     (record,) = dynbatch.compile_records()
     return record.aten_node_counts[0], record.aten_graphs[0]
@@ -83,7 +82,7 @@ def test_compile_time_at_b512_within_2x_of_b8():
         torch._inductor.codecache.FxGraphCache.clear() if hasattr(torch._inductor.codecache, "FxGraphCache") else None
         compiled = torch.compile(mlp_vjp, backend="dynbatch", fullgraph=True, dynamic=False,
                                  options={"fx_graph_cache": False})
-        x, V = torch.randn(4, 16), torch.randn(B, 4, 16)
+        x, V = torch.randn(4, 16, requires_grad=True), torch.randn(B, 4, 16)
         start = time.perf_counter()
         compiled(x, V)
         return time.perf_counter() - start
@@ -96,7 +95,7 @@ def test_compile_time_at_b512_within_2x_of_b8():
 
 def test_batch_size_one_and_zero_compile_separately_and_match_eager():
     compiled = compile_dynbatch(mlp_vjp, options={**AOT_EAGER, "dynbatch.on_unsupported": "fallback"})
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, requires_grad=True)
     for B in (3, 5, 9):
         compiled(x, torch.randn(B, 4, 16))
     V1 = torch.randn(1, 4, 16)
