@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from .batched_grad import batched_grad
-from .capture import TRACE_ERROR
+from .capture import TRACE_ERROR, UNSUPPORTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,8 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
             continue
         if TRACE_ERROR in node.meta:
             unsupported.append(Unsupported(node.name, f"eager raises {node.meta[TRACE_ERROR]}"))
+        elif UNSUPPORTED in node.meta:
+            unsupported.append(Unsupported(node.name, node.meta[UNSUPPORTED]))
         elif is_batched_grad_call(node):
             node.target = batched_grad
             batched.append(node.name)

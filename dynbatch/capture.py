@@ -44,6 +44,8 @@ log = logging.getLogger("dynbatch")
 
 # node.meta key: the "Type: message" eager raises for this grad call.
 TRACE_ERROR = "dynbatch_trace_error"
+# node.meta key: why this grad call must run eagerly although eager would not raise.
+UNSUPPORTED = "dynbatch_unsupported"
 
 def install() -> None:
     """Hook dynbatch's capture scope into Dynamo (idempotent). Runs when dynbatch loads."""
@@ -85,7 +87,14 @@ def trace_grad(node: torch.fx.Node | None, args: Any, kwargs: Any) -> Any:
     """Fake-run one captured grad call. See NOTE [Errors are eager's]."""
     fn = batched_grad if kwargs.get("is_grads_batched", False) else torch.autograd.grad
     try:
-        return fn(*args, **kwargs)
+        with _compat.discarding_fresh_unbacked_symbols() as made_unbacked:
+            result = fn(*args, **kwargs)
+        if made_unbacked() and node is not None:
+            # Data-dependent sizes inside the backward: AOTAutograd's size-oblivious
+            # tracing of them is not reliable (index_fill with a 1-element index
+            # compiles to a graph that fails at run time), so run this one eagerly.
+            node.meta[UNSUPPORTED] = "the backward has data-dependent sizes (unbacked SymInts)"
+        return result
     except _compat.dynamo_control_exceptions():
         raise
     except Exception as e:  # noqa: BLE001 - any error is eager's to raise

@@ -13,7 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 timeout "${PYTEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" \
   tests/test_cuda.py tests/test_core.py tests/test_symbolic_batch.py tests/test_errors.py tests/test_install.py \
   tests/test_batching_pass.py tests/test_codegen.py tests/test_snapshots.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
-timeout "${STOCK_TIMEOUT:-150}" python3 scripts/stock_vs_dynbatch.py --device cuda --timeout 60 2>&1 | tee "$OUT/stock.log"
+timeout "${STOCK_TIMEOUT:-150}" python3 scripts/stock_vs_dynbatch.py --device cuda --timeout "${STOCK_TASK_TIMEOUT:-60}" 2>&1 | tee "$OUT/stock.log"
 if [ -n "${BENCH_ARGS:-}" ]; then
   timeout "${BENCH_TIMEOUT:-200}" python3 -m dynbatch.bench --device cuda --out /tmp/bench $BENCH_ARGS > "$OUT/bench.log" 2>&1
   tar czf "$OUT/bench.tgz" -C /tmp bench
