@@ -1,0 +1,22 @@
+"""The dynbatch benchmark: ``python -m dynbatch.bench`` (or ``dynbatch-bench``).
+
+Times batched backward passes (Jacobians, VJPs, Hessians, HVPs) under every
+way PyTorch (and JAX, when installed) offers to batch them, in one process,
+and writes ``results.json``, ``results.md`` and PNG plots.  docs/benchmarks.md
+explains the columns and figures.
+
+Modules, one concern each:
+- problem.py: the Problem/Case/Floor data a workload hands over;
+- workloads.py: the functions differentiated, their sizes and floors;
+- variants.py: how each column batches a problem (the plumbing);
+- measure.py: timing, memory and error of one cell;
+- stock.py: the stock torch.compile column, in a subprocess with a time limit;
+- runner.py: running every column on every case, with a progress bar;
+- report.py / plots.py: results.json, results.md and the PNG figures;
+- __main__.py: the command line.
+"""
+
+from .variants import REFERENCE, VARIANTS
+from .workloads import WORKLOADS
+
+__all__ = ["REFERENCE", "VARIANTS", "WORKLOADS"]

@@ -1,0 +1,120 @@
+"""Command line: ``python -m dynbatch.bench [--quick] [--device cuda] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from . import measure, plots, report, runner
+from .variants import VARIANTS
+from .workloads import TIERS, WORKLOADS
+
+
+def _names(text: str, known, what: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(known)}")
+    return names
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-sizes takes integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("--batch-sizes takes positive integers")
+    return sizes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="dynbatch-bench",
+        description="Benchmark batched gradients: eager loop, eager is_grads_batched, torch.func, "
+                    "stock torch.compile, compiled torch.func, dynbatch and JAX, in one run.",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--workloads", type=lambda t: _names(t, list(WORKLOADS), "workload(s)"),
+                        default=tuple(WORKLOADS), help=f"comma list, default all: {','.join(WORKLOADS)}")
+    parser.add_argument("--variants", type=lambda t: _names(t, list(VARIANTS), "variant(s)"),
+                        default=VARIANTS, help=f"comma list of columns, default all: {','.join(VARIANTS)}")
+    parser.add_argument("--batch-sizes", type=_sizes, default=None,
+                        help="comma list of B for the sweep workload and the free-B workloads "
+                             "(gelu_vjp, attention, hessian HVP probes); Jacobian workloads keep B = output size")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and short timing budgets (the CI smoke test, under a minute on 2 cores)")
+    parser.add_argument("--size", choices=TIERS, default=None,
+                        help="size tier; default: quick with --quick, else the device's (cpu or cuda)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default bench-out/)")
+    parser.add_argument("--stock-timeout", type=float, default=None,
+                        help="seconds the stock torch.compile column may take per case "
+                             "(default 300, 60 with --quick)")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="keep Inductor's and Triton's on-disk caches (default: an empty folder, "
+                             "so first calls include the whole compile; --quick implies it)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice); use 1 on a CPU shared with "
+                             "other jobs, where a 2-thread op waits for a descheduled thread")
+    parser.add_argument("--min-time", type=float, default=None,
+                        help="seconds of steady-state timing per cell, at least 5 calls "
+                             "(default 0.5; --quick: 0.02 and 3 calls)")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser.parse_args(argv)
+
+
+def _budget(args: argparse.Namespace) -> measure.Budget:
+    budget = measure.Budget.quick() if args.quick else measure.Budget()
+    if args.min_time is not None:
+        budget = dataclasses.replace(budget, min_time_s=args.min_time)
+    return budget
+
+
+def settings_from(args: argparse.Namespace) -> runner.Settings:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("dynbatch-bench: --device cuda, but torch.cuda.is_available() is False")
+    tier = args.size or ("quick" if args.quick else device.type)
+    # The smoke test runs the slow-to-compile stock column on the sweep only: that is
+    # where it crashes on a new batch size, the behaviour the column exists to show.
+    stock_workloads = None
+    if args.quick:
+        stock_workloads = ("sweep",) if "sweep" in args.workloads else tuple(args.workloads[:1])
+    return runner.Settings(
+        device=device,
+        tier=tier,
+        workloads=tuple(args.workloads),
+        variants=tuple(args.variants),
+        batch_sizes=args.batch_sizes,
+        budget=_budget(args),
+        stock_timeout_s=args.stock_timeout or (60.0 if args.quick else 300.0),
+        # Cold caches make first calls honest; the smoke test needs speed, not that figure.
+        cold_compile_cache=not (args.warm_cache or args.quick),
+        progress=not args.no_progress,
+        threads=args.threads,
+        stock_workloads=stock_workloads,
+        overlap_stock_start=args.quick,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Save after every problem: a long run that is stopped still leaves its tables.
+    results = runner.run(settings_from(args), on_problem=lambda partial: report.write(partial, args.out))
+    paths = report.write(results, args.out)
+    paths.update(plots.write(results, args.out))
+    notes = report.Footnotes()
+    print(report.time_table(results, notes))
+    if notes.notes:
+        print(notes.markdown())
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Measuring one cell: first call, steady-state time, peak memory, error.
+
+Timing is a plain loop with ``time.perf_counter`` and a device synchronise
+after every call (so a CUDA number is the latency the caller sees), one
+warm-up call after the first, then as many calls as the budget allows; the
+cell keeps every raw time so the report can show median and IQR.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import resource
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How long to time a steady-state cell."""
+
+    min_time_s: float = 0.5  # keep calling until this much time has passed ...
+    min_reps: int = 5  # ... and at least this many calls were timed,
+    max_reps: int = 200  # but never more than this many,
+    max_time_s: float = 5.0  # and stop at this time once 3 calls are in (slow cells).
+
+    @classmethod
+    def quick(cls) -> "Budget":
+        return cls(min_time_s=0.02, min_reps=3, max_reps=20, max_time_s=1.0)
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def first_call(fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, float]:
+    """Run once, compile included; return the result and the seconds it took."""
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - start
+
+
+def steady_times(fn: Callable[[], Any], sync: Callable[[], None], budget: Budget) -> list[float]:
+    """Seconds per call over repeated calls, after one warm-up call."""
+    fn()
+    sync()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < budget.max_reps:
+        start = time.perf_counter()
+        fn()
+        sync()
+        now = time.perf_counter()
+        times.append(now - start)
+        spent = now - began
+        if spent >= budget.min_time_s and len(times) >= budget.min_reps:
+            break
+        if spent >= budget.max_time_s and len(times) >= 3:
+            break
+    return times
+
+
+def summarize(times: list[float]) -> dict[str, float]:
+    """Median and interquartile range of raw times, in seconds."""
+    if len(times) >= 2:
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    else:
+        q1 = q3 = times[0]
+    return {"median_s": statistics.median(times), "iqr_s": q3 - q1, "reps": len(times)}
+
+
+# --- memory -----------------------------------------------------------------
+
+CUDA_MEMORY = "torch.cuda.max_memory_allocated growth during one call"
+CPU_MEMORY = ("peak RSS growth during one call, sampled every 0.5 ms from /proc/self/statm "
+              "(approximate: the allocator may reuse memory freed by an earlier cell)")
+CPU_MEMORY_FALLBACK = "growth of ru_maxrss during one call (approximate: counts only a new process maximum)"
+
+
+def memory_method(device: torch.device) -> str:
+    if device.type == "cuda":
+        return CUDA_MEMORY
+    return CPU_MEMORY if os.path.exists("/proc/self/statm") else CPU_MEMORY_FALLBACK
+
+
+def peak_memory(fn: Callable[[], Any], sync: Callable[[], None], device: torch.device) -> int:
+    """Bytes of extra memory one call needs at its peak (see :func:`memory_method`)."""
+    if device.type == "cuda":
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        sync()
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    if os.path.exists("/proc/self/statm"):
+        with _RssSampler() as sampler:
+            fn()
+        return sampler.growth
+    before = _maxrss_bytes()
+    fn()
+    return max(0, _maxrss_bytes() - before)
+
+
+def _maxrss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+
+
+class _RssSampler(contextlib.AbstractContextManager):
+    """Samples this process's resident set size on a thread while a call runs."""
+
+    _page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._base = self._peak = self._rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._rss())
+        return False
+
+    @property
+    def growth(self) -> int:
+        return max(0, self._peak - self._base)
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.0005):
+            self._peak = max(self._peak, self._rss())
+
+
+# --- errors -----------------------------------------------------------------
+
+def max_abs_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    if result.shape != reference.shape:
+        raise ValueError(f"result shape {tuple(result.shape)} != reference shape {tuple(reference.shape)}")
+    return (result.detach().double() - reference.detach().double()).abs().max().item()
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    """``Type: first line`` of the real error: Dynamo wraps it, as a cause or inside its message."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = str(root)
+    # Dynamo's "Dynamo failed to run FX node with fake tensors: ... got RuntimeError('...')".
+    inner = re.search(r"got (\w+)\((['\"])(.*?)(?:\\n|\2\))", text, re.S)
+    if inner:
+        detail = f"{inner.group(1)}: {inner.group(3).strip()}"
+    else:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        detail = lines[0] if lines else ""
+    name = type(root).__name__
+    text = f"{name}: {detail}" if detail and not detail.startswith(name) else (detail or name)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- one cell -----------------------------------------------------------------
+
+def measure_cell(
+    fn: Callable[[], Any],
+    device: torch.device,
+    budget: Budget,
+    to_torch: Callable[[Any], torch.Tensor],
+    reference: torch.Tensor | None,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Every figure of one (column, case) cell; returns it and the result (as torch)."""
+    sync = synchronizer(device)
+    result, first = first_call(fn, sync)
+    result = to_torch(result)
+    times = steady_times(fn, sync, budget)
+    cell: dict[str, Any] = {"status": "ok", "first_call_s": first, **summarize(times), "times_s": times}
+    cell["peak_mem_bytes"] = peak_memory(fn, sync, device)
+    cell["max_abs_err"] = max_abs_error(result, reference) if reference is not None else None
+    return cell, result

@@ -1,0 +1,228 @@
+"""Writing the results: ``results.json`` (every raw figure) and ``results.md`` (tables).
+
+Every ratio is computed here from the raw figures, never stored as an input:
+each column's figure over ``eager_batched``'s, and dynbatch's over the best
+other column's (and, for time, over the problem's floor).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .variants import REFERENCE, VARIANTS
+
+OURS = "dynbatch"
+
+
+# --- reading cells --------------------------------------------------------------
+
+def ok(cell: dict[str, Any] | None) -> bool:
+    return bool(cell) and cell.get("status") == "ok"
+
+
+def rows(results: dict[str, Any]) -> Iterable[tuple[dict, dict]]:
+    """(problem, case) pairs in run order."""
+    for problem in results["problems"]:
+        for case in problem["cases"]:
+            yield problem, case
+
+
+def columns(results: dict[str, Any]) -> list[str]:
+    chosen = results["meta"].get("variants") or list(VARIANTS)
+    return [v for v in VARIANTS if v in chosen]
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base <= 0:
+        return None
+    return value / base
+
+
+def best_other(case: dict[str, Any], key: str) -> tuple[str | None, float | None]:
+    """The column other than dynbatch with the smallest ``key`` figure."""
+    figures = [(cell[key], name) for name, cell in case["variants"].items()
+               if name != OURS and ok(cell) and cell.get(key) is not None]
+    if not figures:
+        return None, None
+    value, name = min(figures)
+    return name, value
+
+
+def figure(case: dict[str, Any], variant: str, key: str) -> float | None:
+    cell = case["variants"].get(variant)
+    return cell.get(key) if ok(cell) else None
+
+
+# --- formatting -------------------------------------------------------------------
+
+def fmt(value: float | None, scale: float = 1.0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    v = value * scale
+    if v == 0:
+        return "0"
+    return f"{v:.3g}" if abs(v) >= 1e-3 else f"{v:.1e}"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "–" if r is None else f"×{r:.2f}" if r < 10 else f"×{r:.3g}"
+
+
+class Footnotes:
+    """Turns long statuses ("crashed: ...") into a short cell and a numbered note."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self._index: dict[tuple[str, str], int] = {}
+
+    def cell(self, variant: str, where: str, status: str) -> str:
+        kind = status.split(":", 1)[0]
+        key = (variant, status)  # one note per distinct message, naming the first case it hit
+        if key not in self._index:
+            self.notes.append(f"`{variant}`, first at {where}: {status}")
+            self._index[key] = len(self.notes)
+        return f"{kind} [{self._index[key]}]"
+
+    def markdown(self) -> str:
+        return "\n".join(f"{i + 1}. {note}" for i, note in enumerate(self.notes))
+
+
+def table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+# --- the tables ---------------------------------------------------------------------
+
+def _case_cells(problem, case, cols, notes, render: Callable[[dict, str], str]) -> list[str]:
+    where = f"{problem['problem']} {case['label']}"
+    out = []
+    for v in cols:
+        cell = case["variants"].get(v)
+        if cell is None:
+            out.append("–")
+        elif not ok(cell):
+            out.append(notes.cell(v, where, cell["status"]))
+        else:
+            out.append(render(case, v))
+    return out
+
+
+def time_table(results, notes: Footnotes) -> str:
+    cols = columns(results)
+    ours_cols = ["dynbatch / eager_batched", "dynbatch / best other", "dynbatch / floor"] if OURS in cols else []
+    header = ["problem", "case", "floor ms"] + [f"{v} ms" for v in cols] + ours_cols
+    body = []
+    for problem, case in rows(results):
+        base = figure(case, REFERENCE, "median_s")
+
+        def render(case, v, base=base):
+            cell = case["variants"][v]
+            return f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} {fmt_ratio(ratio(cell['median_s'], base))}"
+
+        ours = figure(case, OURS, "median_s")
+        other, other_value = best_other(case, "median_s")
+        floor = case.get("floor", {}).get("median_s")
+        ours_cells = [fmt_ratio(ratio(ours, base)),
+                      f"{fmt_ratio(ratio(ours, other_value))} ({other})" if other else "–",
+                      fmt_ratio(ratio(ours, floor))]
+        body.append([problem["problem"], case["label"], fmt(floor, 1e3)]
+                    + _case_cells(problem, case, cols, notes, render) + ours_cells[:len(ours_cols)])
+    return table(header, body)
+
+
+def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str) -> str:
+    """One figure per cell with its ratio to eager_batched, and dynbatch over the best other."""
+    cols = columns(results)
+    header = ["problem", "case"] + [f"{v} {unit}" for v in cols] + (["dynbatch / best other"] if OURS in cols else [])
+    body = []
+    for problem, case in rows(results):
+        base = figure(case, REFERENCE, key)
+
+        def render(case, v, base=base):
+            value = case["variants"][v].get(key)
+            return f"{fmt(value, scale)} {fmt_ratio(ratio(value, base))}"
+
+        ours = figure(case, OURS, key)
+        other, other_value = best_other(case, key)
+        ours_cells = [f"{fmt_ratio(ratio(ours, other_value))} ({other})" if other else "–"] if OURS in cols else []
+        body.append([problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render)
+                    + ours_cells)
+    return table(header, body)
+
+
+def error_table(results, notes: Footnotes) -> str:
+    cols = columns(results)
+    body = []
+    for problem, case in rows(results):
+        body.append([problem["problem"], case["label"]] + _case_cells(
+            problem, case, cols, notes, lambda c, v: fmt(c["variants"][v].get("max_abs_err"))))
+    return table(["problem", "case"] + cols, body)
+
+
+def graphs_table(results) -> str:
+    cols = [v for v in columns(results) if v in ("stock_compile", "compiled_func", "dynbatch", "jax")]
+    body = []
+    for problem in results["problems"]:
+        counts = [("–" if problem["graphs"].get(v) is None else str(problem["graphs"][v])) for v in cols]
+        delta = problem.get("dynbatch") or {}
+        body.append([problem["problem"], ", ".join(c["label"] for c in problem["cases"])] + counts
+                    + [str(delta.get("graphs_batched", "–")), str(delta.get("fallbacks", 0))])
+    return table(["problem", "cases (in order)"] + cols + ["dynbatch batched graphs", "dynbatch fallbacks"], body)
+
+
+def floors_list(results) -> str:
+    lines = []
+    for problem in results["problems"]:
+        whats = sorted({c.get("floor", {}).get("what", "") for c in problem["cases"]})
+        lines.append(f"- **{problem['problem']}**: {problem['description']}. Floor: {'; '.join(whats)}.")
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    notes = Footnotes()
+    jax_line = (f"JAX {meta['jax']} with jax_default_matmul_precision=\"highest\" (torch fp32 matmuls)"
+                if meta.get("jax") else "JAX not installed: the jax column is skipped")
+    parts = [
+        "# dynbatch benchmark",
+        f"{meta['date_utc']} on **{meta['device_name']}** ({meta['device']}, {meta['torch_threads']} torch threads); "
+        f"torch {meta['torch']}, dynbatch {meta['dynbatch']}, Python {meta['python']}; size tier `{meta['tier']}`, "
+        f"{meta['dtype']}. {jax_line}. Compile caches: {'cold (empty Inductor/Triton cache folders)' if meta['cold_compile_cache'] else 'warm (the user caches)'}.",
+        "## Steady-state time per call",
+        "Median over repeated calls, ± interquartile range, in ms; ×ratio to `eager_batched`. "
+        "`dynbatch / best other` names the fastest other column; `floor` is the matrix products any "
+        "batched backward must do, timed alone in the same run.",
+        time_table(results, notes),
+        "## First call (compile included)",
+        "Seconds for the first call of each case, in sweep order: a later case's first call includes "
+        "a recompile if the column needed one.",
+        simple_table(results, notes, "first_call_s", 1.0, "s"),
+        "## Peak memory",
+        f"MiB; {meta['memory_method']}.",
+        simple_table(results, notes, "peak_mem_bytes", 1 / 2 ** 20, "MiB"),
+        "## Graphs compiled over each problem's cases",
+        "Dynamo graphs (JAX: jit cache entries) compiled while the column ran the cases in the order "
+        "listed; a batch size that stays symbolic needs no new graph.",
+        graphs_table(results),
+        "## Max abs error against eager_loop",
+        error_table(results, notes),
+        "## Problems and floors",
+        floors_list(results),
+    ]
+    if notes.notes:
+        parts += ["## Notes", notes.markdown()]
+    parts += ["## Columns", "\n".join(f"- `{k}`: {v}" for k, v in meta["variant_descriptions"].items())]
+    return "\n\n".join(parts) + "\n"
+
+
+def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "md": out_dir / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
+    paths["md"].write_text(markdown(results))
+    return paths

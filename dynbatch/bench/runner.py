@@ -1,0 +1,266 @@
+"""Running the benchmark: every column on every case of every problem, one process.
+
+Order inside a problem: the floor, then ``eager_loop`` (the reference every
+error is measured against), the other in-process columns, and last the stock
+column in its subprocess.  ``torch._dynamo.reset()`` runs before each
+problem: the columns' programs share code objects across problems, and
+Dynamo's cache (and its recompile limit) is per code object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+import dynbatch
+
+from . import measure, stock, variants, workloads
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    tier: str
+    workloads: tuple[str, ...]
+    variants: tuple[str, ...]
+    batch_sizes: tuple[int, ...] | None
+    budget: measure.Budget
+    stock_timeout_s: float
+    cold_compile_cache: bool = True
+    progress: bool = True
+    threads: int | None = None  # torch intra-op threads, here and in the stock worker; None: torch's default
+    # Run the stock column on these workloads only (None: all); the others say "skipped".
+    stock_workloads: tuple[str, ...] | None = None
+    # Start the stock worker in the background (its import then overlaps the first timings).
+    overlap_stock_start: bool = False
+
+
+def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
+    """Measure everything; return the results as plain JSON-able data.
+
+    ``on_problem(results)`` runs after each problem, so a long run can save what it has.
+    """
+    warnings.filterwarnings("ignore")  # legacy vmap's per-op "performance drop" warnings
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if settings.device.type == "cuda":
+        # Full fp32 matmuls and convolutions, as the CPU and JAX's "highest" precision compute.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    with _compile_caches(settings.cold_compile_cache):
+        dynbatch.register()
+        results = {"meta": _meta(settings), "problems": []}
+        stock_column = (stock.StockColumn(settings.stock_timeout_s, settings.threads)
+                        if "stock_compile" in settings.variants else None)
+        bar = tqdm(total=0, unit="cell", disable=not settings.progress, dynamic_ncols=True, file=sys.stderr)
+        try:
+            if stock_column is not None:
+                bar.set_description("starting the stock-compile worker")
+                stock_column.start(wait=not settings.overlap_stock_start)
+            for i, name in enumerate(settings.workloads):
+                problems = workloads.build(name, settings.tier, settings.batch_sizes, settings.device)
+                bar.total += sum(len(p.cases) * (len(settings.variants) + 1) for p in problems)
+                bar.refresh()
+                for index, problem in enumerate(problems):
+                    prefix = f"[{i + 1}/{len(settings.workloads)}] {problem.name}"
+                    results["problems"].append(_run_problem(problem, index, settings, stock_column, bar, prefix))
+                    on_problem(results)
+                del problems
+                _free_memory(settings.device)
+            results["meta"]["loadavg_at_end"] = _loadavg()
+        finally:
+            bar.close()
+            if stock_column is not None:
+                stock_column.close()
+    return results
+
+
+def _run_problem(problem, index: int, settings: Settings, stock_column, bar, prefix: str) -> dict[str, Any]:
+    torch._dynamo.reset()
+    device = settings.device
+    cases = [{"label": c.label, "batch": c.batch, "variants": {}} for c in problem.cases]
+    out = {"workload": problem.workload, "problem": problem.name, "description": problem.description,
+           "chunk": problem.chunk, "cases": cases, "graphs": {}, "notes": {}}
+
+    bar.set_description(f"{prefix}: floor")
+    for case, record in zip(problem.cases, cases):
+        record["floor"] = _time_floor(case.floor, device, settings.budget)
+        bar.update(1)
+
+    references: list[torch.Tensor | None] = [None] * len(cases)
+    for variant in [v for v in variants.VARIANTS if v in settings.variants]:
+        bar.set_description(f"{prefix}: {variant}")
+        if variant == "stock_compile":
+            _run_stock(problem, index, settings, stock_column, references, out, bar)
+            continue
+        _run_column(variant, problem, settings, references, out, bar)
+    return out
+
+
+def _run_column(variant, problem, settings: Settings, references, out, bar) -> None:
+    """One in-process column over all cases of a problem."""
+    device, cases = settings.device, out["cases"]
+    before = dynbatch.counters()
+    try:
+        runner = variants.build(variant, problem, device)
+    except variants.VariantUnavailable as e:
+        for record in cases:
+            record["variants"][variant] = {"status": f"skipped: {e}"}
+        bar.update(len(cases))
+        return
+    for i, (case, record) in enumerate(zip(problem.cases, cases)):
+        args = runner.prepare(case)
+        try:
+            cell, result = measure.measure_cell(lambda: runner.call(*args), device, settings.budget,
+                                                runner.to_torch, references[i])
+            if variant == variants.TRUTH:
+                references[i], cell["max_abs_err"] = result, 0.0
+                # The scale errors are read against: float32 error grows with it.
+                record["reference_max_abs"] = result.detach().abs().max().item()
+        except Exception as e:  # noqa: BLE001 - a crashing column is a result, not a reason to stop
+            cell = {"status": f"crashed: {measure.short_error(e)}"}
+        record["variants"][variant] = cell
+        del args
+        bar.update(1)
+    out["graphs"][variant] = runner.compiles()
+    if runner.note:
+        out["notes"][variant] = runner.note
+    if variant == "dynbatch":
+        out["dynbatch"] = _dynbatch_delta(before)
+    del runner
+    _free_memory(device)
+
+
+def _run_stock(problem, index: int, settings: Settings, stock_column, references, out, bar) -> None:
+    if settings.stock_workloads is not None and problem.workload not in settings.stock_workloads:
+        for record in out["cases"]:
+            record["variants"]["stock_compile"] = {
+                "status": f"skipped: this run times stock_compile on {', '.join(settings.stock_workloads)} only"}
+        bar.update(len(out["cases"]))
+        return
+    task = stock.Task(
+        workload=problem.workload, index=index, tier=settings.tier,
+        batch_sizes=settings.batch_sizes, device=str(settings.device), budget=settings.budget,
+        references=tuple(None if r is None else r.detach().cpu().numpy() for r in references),
+    )
+    cells, graphs = stock_column.run(task, len(out["cases"]), on_case=lambda: bar.update(1))
+    for record, cell in zip(out["cases"], cells):
+        record["variants"]["stock_compile"] = cell
+    out["graphs"]["stock_compile"] = graphs
+
+
+def _time_floor(floor, device: torch.device, budget: measure.Budget) -> dict[str, Any]:
+    try:
+        thunk = floor.make(device)
+        times = measure.steady_times(thunk, measure.synchronizer(device), budget)
+        return {"what": floor.what, **measure.summarize(times), "times_s": times}
+    except Exception as e:  # noqa: BLE001
+        return {"what": floor.what, "status": f"crashed: {measure.short_error(e)}"}
+
+
+def _dynbatch_delta(before: dict[str, int]) -> dict[str, Any]:
+    after = dynbatch.counters()
+    keys = set(after) | set(before) | {"graphs", "graphs_batched", "fallbacks"}
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys)}
+    records = dynbatch.compile_records()[-delta.get("graphs", 0):] if delta.get("graphs") else []
+    delta["fallback_reasons"] = [r.fallback_reason for r in records if r.fell_back]
+    delta["aten_node_counts"] = [list(r.aten_node_counts) for r in records]
+    return delta
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _compile_caches(cold: bool) -> Iterator[None]:
+    """Point Inductor's and Triton's on-disk caches at an empty folder, so first calls compile for real."""
+    if not cold:
+        yield
+        return
+    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    saved = {k: os.environ.get(k) for k in keys}
+    folder = tempfile.mkdtemp(prefix="dynbatch-bench-cache-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _meta(settings: Settings) -> dict[str, Any]:
+    device = settings.device
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dynbatch": dynbatch.__version__,
+        "jax": _jax_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "tier": settings.tier,
+        "workloads": list(settings.workloads),
+        "variants": list(settings.variants),
+        "batch_sizes": list(settings.batch_sizes) if settings.batch_sizes else None,
+        "budget": dataclasses.asdict(settings.budget),
+        "stock_timeout_s": settings.stock_timeout_s,
+        "stock_workloads": list(settings.stock_workloads) if settings.stock_workloads is not None else None,
+        # Other processes share the cores: the 1-minute load average says how much.
+        "loadavg_at_start": _loadavg(),
+        "cold_compile_cache": settings.cold_compile_cache,
+        "dtype": "float32 (TF32 off on CUDA)",
+        "memory_method": measure.memory_method(device),
+        "variant_descriptions": dict(variants.DESCRIPTIONS),
+    }
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _jax_version() -> str | None:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("jax")
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

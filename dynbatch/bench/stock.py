@@ -1,0 +1,150 @@
+"""The stock ``torch.compile`` column, in a subprocess with a time limit.
+
+Stock Dynamo with ``trace_autograd_ops=True`` fake-runs a batched grad
+through the legacy vmap: on a new batch size it crashes, and it can take very
+long on big graphs.  Running it in a worker process (multiprocessing
+"spawn", so CUDA works there too) keeps the parent's Dynamo state clean and
+lets a hung compile be killed.  The worker is reused across problems (one
+torch import per run) with ``torch._dynamo.reset()`` before each problem; a
+timeout kills it and the next problem starts a new one.  Crashes and
+timeouts are recorded as the cell's status, never hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import warnings
+from typing import Any, Callable
+
+from . import measure, variants, workloads
+
+READY_TIMEOUT_S = 300.0  # importing torch in the worker; not part of any cell's limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Rebuild problem ``index`` of ``workload`` and time the stock column on each case."""
+
+    workload: str
+    index: int
+    tier: str
+    batch_sizes: tuple[int, ...] | None
+    device: str
+    budget: measure.Budget
+    references: tuple[Any, ...]  # numpy arrays (or None): eager_loop's result per case
+
+
+def worker(conn, threads: int | None = None) -> None:
+    """The subprocess's main loop: one Task in, one message per case out."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.trace_autograd_ops = True  # what makes this column "stock with captured grads"
+    conn.send(("ready", None))
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        _run(conn, task)
+
+
+def _run(conn, task: Task) -> None:
+    import torch
+
+    torch._dynamo.reset()
+    device = torch.device(task.device)
+    try:
+        problem = workloads.build(task.workload, task.tier, task.batch_sizes, device)[task.index]
+        runner = variants.build("stock_compile", problem, device)
+    except Exception as e:  # noqa: BLE001 - report it per case rather than kill the worker
+        for _ in task.references:
+            conn.send(("case", {"status": f"crashed: {measure.short_error(e)}"}))
+        conn.send(("done", None))
+        return
+    for case, ref in zip(problem.cases, task.references):
+        args = runner.prepare(case)
+        try:
+            cell, _ = measure.measure_cell(lambda: runner.call(*args), device, task.budget, runner.to_torch,
+                                           None if ref is None else torch.from_numpy(ref).to(device))
+        except Exception as e:  # noqa: BLE001 - the crash is the finding
+            cell = {"status": f"crashed: {measure.short_error(e)}"}
+        conn.send(("case", cell))
+    conn.send(("done", runner.compiles()))
+
+
+class StockColumn:
+    """Parent side: sends tasks to the worker, enforces the per-case time limit."""
+
+    def __init__(self, timeout_s: float, threads: int | None = None):
+        self.timeout_s = timeout_s
+        self.threads = threads
+        self._ready = False
+        self._ctx = multiprocessing.get_context("spawn")
+        self._proc = None
+        self._conn = None
+
+    def start(self, wait: bool = True) -> None:
+        """Start the worker; with ``wait``, also wait for its torch import (so it overlaps nothing timed)."""
+        if self._proc is None or not self._proc.is_alive():
+            parent, child = self._ctx.Pipe()
+            self._proc = self._ctx.Process(target=worker, args=(child, self.threads), daemon=True,
+                                           name="dynbatch-bench-stock")
+            self._proc.start()
+            child.close()
+            self._conn, self._ready = parent, False
+        if wait and not self._ready:
+            if not self._conn.poll(READY_TIMEOUT_S):
+                self._kill()
+                raise RuntimeError(f"the stock worker did not start within {READY_TIMEOUT_S:g} s")
+            self._conn.recv()
+            self._ready = True
+
+    def run(self, task: Task, n_cases: int, on_case: Callable[[], None] = lambda: None):
+        """Cells for each case, and graphs compiled (None if the worker died)."""
+        self.start()
+        self._conn.send(task)
+        cells: list[dict[str, Any]] = []
+        while len(cells) < n_cases:
+            message = self._receive()
+            if isinstance(message, str):  # the worker timed out or died
+                cells.append({"status": message})
+                cells += [{"status": "skipped: an earlier case timed out or crashed the worker"}] * (
+                    n_cases - len(cells))
+                on_case()
+                return cells, None
+            cells.append(message[1])
+            on_case()
+        message = self._receive()
+        return cells, (None if isinstance(message, str) else message[1])
+
+    def _receive(self):
+        if not self._conn.poll(self.timeout_s):
+            self._kill()
+            return f"timed out after {self.timeout_s:g} s"
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode if self._proc is not None else None
+            self._kill()
+            return f"crashed: the worker process died (exit code {code})"
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(None)
+            self._proc.join(timeout=10)
+        except (BrokenPipeError, OSError):
+            pass
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()  # only ever our own worker, by its handle
+            self._proc.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = self._conn = None

@@ -1,0 +1,186 @@
+"""The plumbing: how each benchmark column batches a problem's backward.
+
+A problem (problem.py) says what to differentiate; this module turns it into
+one callable per column, ``(x, V) -> [B, *x.shape]`` (or ``post`` of that).
+The same three programs serve several columns, so the columns differ only in
+who runs the program: eager PyTorch, stock Inductor, dynbatch, or JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from .problem import Case, Problem
+
+VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "stock_compile", "compiled_func", "dynbatch", "jax")
+REFERENCE = "eager_batched"  # every ratio in the report is over this column
+TRUTH = "eager_loop"  # errors are measured against this column
+COMPILED = ("stock_compile", "compiled_func", "dynbatch", "jax")
+
+DESCRIPTIONS = {
+    "eager_loop": "loop of torch.autograd.grad(..., retain_graph=True) over the B cotangents, stacked",
+    "eager_batched": "eager torch.autograd.grad(..., is_grads_batched=True) (legacy vmap); the reference for ratios",
+    "eager_vmap": "torch.func.vmap over torch.func.vjp, eager",
+    "stock_compile": "stock torch.compile (Inductor) of the is_grads_batched code with "
+                     "torch._dynamo.config.trace_autograd_ops=True, in a subprocess with a time limit",
+    "compiled_func": "torch.compile (Inductor) of the torch.func vmap/vjp code",
+    "dynbatch": 'torch.compile(backend="dynbatch") of the is_grads_batched code',
+    "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
+}
+
+
+class VariantUnavailable(RuntimeError):
+    """This column cannot run here (e.g. JAX is not installed); the report says why."""
+
+
+@dataclasses.dataclass
+class Runner:
+    """One column, ready to run a problem's cases."""
+
+    variant: str
+    call: Callable[..., Any]  # call(*prepare(case)) -> result, finished (synchronised by the caller)
+    prepare: Callable[[Case], tuple]  # the case's inputs in this runner's framework
+    to_torch: Callable[[Any], torch.Tensor]  # the result as a torch tensor, to compare
+    compiles: Callable[[], int | None] = lambda: None  # graphs compiled since this runner was built
+    note: str = ""
+
+
+# --- the three programs -------------------------------------------------------
+
+def _finish(problem: Problem, grads):
+    return problem.post(grads) if problem.post is not None else grads
+
+
+def loop_program(problem: Problem) -> Callable:
+    def eager_loop(x, cotangents):
+        x = x.detach().requires_grad_()
+        y = problem.f(x)
+        rows = [torch.autograd.grad(y, x, v, retain_graph=True)[0] for v in cotangents]
+        return _finish(problem, torch.stack(rows))
+
+    return eager_loop
+
+
+def batched_program(problem: Problem) -> Callable:
+    if problem.batched_api is not None:
+        def batched_api(x, cotangents):
+            return _finish(problem, problem.batched_api(x, cotangents))
+
+        return batched_api
+
+    def batched(x, cotangents):
+        x = x.detach().requires_grad_()
+        y = problem.f(x)
+        return _finish(problem, torch.autograd.grad(y, x, cotangents, is_grads_batched=True)[0])
+
+    return batched
+
+
+def vmap_program(problem: Problem) -> Callable:
+    def vmapped(x, cotangents):
+        _, vjp_fn = torch.func.vjp(problem.func_f, x)
+        return _finish(problem, torch.func.vmap(vjp_fn)(cotangents)[0])
+
+    return vmapped
+
+
+def chunked(fn: Callable, chunk: int | None, concat: Callable) -> Callable:
+    """Call ``fn`` on ``chunk`` cotangents at a time; the last chunk may be smaller."""
+    if not chunk:
+        return fn
+
+    def run(x, cotangents):
+        return concat([fn(x, cotangents[i:i + chunk]) for i in range(0, cotangents.shape[0], chunk)])
+
+    return run
+
+
+# --- building a column --------------------------------------------------------
+
+def _graph_counter() -> Callable[[], int]:
+    """Graphs Dynamo compiled (any backend) since this call."""
+    from torch._dynamo.utils import counters
+
+    start = counters["stats"]["unique_graphs"]
+    return lambda: counters["stats"]["unique_graphs"] - start
+
+
+def _torch_runner(variant: str, problem: Problem, program: Callable, compiled: bool = False) -> Runner:
+    if problem.chunk and problem.post is not None:
+        raise ValueError(f"{problem.name}: chunk and post together are not supported")
+    return Runner(
+        variant=variant,
+        call=chunked(program, problem.chunk, torch.cat),
+        prepare=lambda case: (case.x, case.cotangents),
+        to_torch=lambda r: r,
+        compiles=_graph_counter() if compiled else (lambda: None),
+    )
+
+
+def build(variant: str, problem: Problem, device: torch.device) -> Runner:
+    """The runner of one column for one problem (compiled lazily, on first call)."""
+    if variant == "eager_loop":
+        return _torch_runner(variant, problem, loop_program(problem))
+    if variant == "eager_batched":
+        return _torch_runner(variant, problem, batched_program(problem))
+    if variant == "eager_vmap":
+        return _torch_runner(variant, problem, vmap_program(problem))
+    if variant == "stock_compile":
+        # Only ever built in the stock subprocess (stock.py), which sets
+        # torch._dynamo.config.trace_autograd_ops=True for its whole process.
+        return _torch_runner(variant, problem, torch.compile(batched_program(problem)), compiled=True)
+    if variant == "compiled_func":
+        return _torch_runner(variant, problem, torch.compile(vmap_program(problem)), compiled=True)
+    if variant == "dynbatch":
+        return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch"),
+                             compiled=True)
+    if variant == "jax":
+        return _jax_runner(problem, device)
+    raise KeyError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def _jax_runner(problem: Problem, device: torch.device) -> Runner:
+    import os
+
+    # JAX would otherwise take 75% of the GPU up front, starving torch in this process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+    except ImportError as e:
+        raise VariantUnavailable(f"jax not installed ({e.name}); pip install 'dynbatch[jax]'") from None
+    if problem.jax_f is None:
+        raise VariantUnavailable(f"{problem.name} has no JAX version")
+    platform = "gpu" if device.type == "cuda" else "cpu"
+    try:
+        jax_device = jax.devices(platform)[0]
+    except RuntimeError as e:
+        raise VariantUnavailable(f"jax has no {platform} device: {e}") from None
+    jax.config.update("jax_default_matmul_precision", "highest")
+    with jax.default_device(jax_device):
+        f = problem.jax_f()
+    post = problem.post
+
+    @jax.jit
+    def vjps(x, cotangents):
+        _, vjp_fn = jax.vjp(f, x)
+        grads = jax.vmap(vjp_fn)(cotangents)[0]
+        return post(grads) if post is not None else grads
+
+    run = chunked(vjps, problem.chunk, jnp.concatenate)
+
+    def to_jax(t: torch.Tensor):
+        return jax.device_put(t.detach().cpu().numpy(), jax_device)
+
+    return Runner(
+        variant="jax",
+        call=lambda x, v: run(x, v).block_until_ready(),
+        prepare=lambda case: (to_jax(case.x), to_jax(case.cotangents)),
+        to_torch=lambda r: torch.from_numpy(np.asarray(r)).to(device),
+        compiles=lambda: vjps._cache_size(),
+        note=f"jax {jax.__version__} on {jax_device}",
+    )

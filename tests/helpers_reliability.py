@@ -1,0 +1,156 @@
+"""Shared helpers for the reliability tests (GitHub issue 4).
+
+Oracles, not numbers: every expected value here is computed at run time by
+eager PyTorch, either as a stacked loop of per-sample ``torch.autograd.grad``
+calls (``loop_grads``) or by eager ``is_grads_batched=True`` itself.
+
+Compiling: ``compile_dynbatch`` compiles with the dynbatch backend and
+``aot_eager`` as the inner compiler (cheap for sweeps).  ``DynbatchCounter``
+is a counting backend: ``torch._dynamo.testing.CompileCounterWithBackend("dynbatch")``
+can neither forward ``options=`` nor be recognised by dynbatch's capture
+scope (dynbatch enters its scope only for a backend carrying
+``_dynbatch_backend = True``), so with it ``torch.autograd.grad`` would
+graph-break as under stock Dynamo.  This counter carries the marker and
+forwards the options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Sequence
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.utils
+
+import dynbatch
+from dynbatch.backend import dynbatch_backend
+
+AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager"}
+
+
+def reset_all() -> None:
+    torch._dynamo.reset()
+    dynbatch.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+@pytest.fixture
+def fresh():
+    """Fresh Dynamo caches and dynbatch counters around a test."""
+    reset_all()
+    yield
+    reset_all()
+
+
+class DynbatchCounter:
+    """A dynbatch backend that counts the Dynamo graphs it compiles.
+
+    Keeps counts only (never the graph modules), so it holds nothing alive.
+    """
+
+    _dynbatch_backend = True  # what dynbatch's capture scope looks for
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(AOT_EAGER if options is None else options)
+        self.frame_count = 0
+        self.op_count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
+        self.frame_count += 1
+        self.op_count += sum(1 for n in gm.graph.nodes if "call" in n.op)
+        return dynbatch_backend(gm, example_inputs, options=self.options)
+
+
+def compile_dynbatch(fn: Callable, *, fullgraph: bool = True, dynamic: bool | None = None,
+                     options: dict[str, Any] | None = None) -> Callable:
+    opts = dict(AOT_EAGER)
+    opts.update(options or {})
+    return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, dynamic=dynamic, options=opts)
+
+
+def graph_breaks() -> int:
+    """Graph breaks Dynamo counted since the last ``reset_all``."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# --- oracles -------------------------------------------------------------------
+
+def loop_grads(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    batched_grad_outputs: Sequence[torch.Tensor],
+    *,
+    create_graph: bool = False,
+    allow_unused: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
+    """The oracle: one eager ``torch.autograd.grad`` per sample, stacked.
+
+    A grad is None only if it is None for every sample (it is a property of
+    the autograd graph, so it is either always or never None).
+    """
+    outputs, inputs = tuple(outputs), tuple(inputs)
+    B = batched_grad_outputs[0].shape[0]
+    assert B > 0, "the loop oracle needs at least one sample"
+    per_sample = []
+    for b in range(B):
+        per_sample.append(torch.autograd.grad(
+            outputs, inputs, [v[b] for v in batched_grad_outputs],
+            retain_graph=True, create_graph=create_graph, allow_unused=allow_unused,
+        ))
+    result = []
+    for i, inp in enumerate(inputs):
+        gs = [p[i] for p in per_sample]
+        nones = {g is None for g in gs}
+        assert len(nones) <= 1, "None-ness of a grad differs between samples"
+        result.append(None if gs[0] is None else torch.stack(gs))
+    return tuple(result)
+
+
+def assert_grads_equal(actual: Sequence[Any], expected: Sequence[Any], *, rtol: float | None = None,
+                       atol: float | None = None, msg: str = "") -> None:
+    """Values and None-ness, input by input."""
+    actual, expected = tuple(actual), tuple(expected)
+    assert len(actual) == len(expected), f"{msg}: {len(actual)} grads, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is None or a is None:
+            assert a is None and e is None, (
+                f"{msg}: grad {i} is {'None' if a is None else 'a tensor'}, "
+                f"eager's is {'None' if e is None else 'a tensor'}")
+            continue
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m, i=i: f"{msg}: grad {i}: {m}")
+
+
+def outcome(fn: Callable, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """("ok", value) or ("raise", exception)."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the exception is the result
+        return "raise", e
+
+
+def assert_same_exception(actual: BaseException, expected: BaseException, msg: str = "") -> None:
+    assert type(actual) is type(expected), (
+        f"{msg}: raised {type(actual).__name__}: {actual}\n"
+        f"eager raised {type(expected).__name__}: {expected}")
+    assert str(actual) == str(expected), (
+        f"{msg}: message differs\n compiled: {actual}\n eager:    {expected}")
+
+
+@contextlib.contextmanager
+def dynbatch_log(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING):
+    with caplog.at_level(level, logger="dynbatch"):
+        yield caplog
+
+
+def counters_delta(before: dict[str, int]) -> dict[str, int]:
+    now = dynbatch.counters()
+    keys = set(now) | set(before)
+    return {k: now.get(k, 0) - before.get(k, 0) for k in keys if now.get(k, 0) != before.get(k, 0)}

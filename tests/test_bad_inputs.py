@@ -1,0 +1,293 @@
+"""Bad-input corpus: what eager rejects, compiled with dynbatch, raises eager's error.
+
+Each case is a small program around ``torch.autograd.grad``.  The test runs
+it eagerly first and records what eager does *at run time* (the exception's
+type and message, or the values); then the same program compiled with
+dynbatch, with ``fullgraph=True`` and ``fullgraph=False``, must raise an
+exception of the same type with the same message, or return the same values.
+Nothing here is copied from a run.
+
+REJECTED: cases eager raises on.  ACCEPTED: cases eager silently accepts
+(extra grad_outputs, float64 / integer / stride-0 cotangents, B=1, ...).
+
+``DYNAMO_REFUSES`` lists the cases where, under ``fullgraph=True``, Dynamo
+itself refuses the program before dynbatch sees a graph (Dynamo's own
+checks, not dynbatch's); for them the test asserts exactly that refusal and,
+with ``fullgraph=False``, eager's behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import dynbatch
+from helpers_reliability import (
+    AOT_EAGER,
+    assert_grads_equal,
+    assert_same_exception,
+    compile_dynbatch,
+    outcome,
+    reset_all,
+)
+
+grad = torch.autograd.grad
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_all()
+    yield
+    reset_all()
+
+
+@dataclasses.dataclass
+class Case:
+    program: Callable[..., Any]
+    make_args: Callable[[torch.Generator], tuple]
+    needs_cuda: bool = False
+
+
+def _g(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape, dtype=torch.float32, requires_grad=False):
+    t = torch.randn(*shape, generator=gen, dtype=dtype)
+    return t.requires_grad_() if requires_grad else t
+
+
+def _x(gen, *shape):
+    return _randn(gen, *shape, requires_grad=True)
+
+
+# --- programs -----------------------------------------------------------------
+
+def p_batched(x, V):
+    return grad(torch.tanh(x * 2), x, V, is_grads_batched=True)
+
+
+def p_unbatched(x, v):
+    return grad(torch.tanh(x * 2), x, v)
+
+
+def p_complex_output(x, V):
+    y = torch.view_as_complex(torch.stack([x.sin(), x.cos()], -1))
+    return grad(y, x, V, is_grads_batched=True)
+
+
+def p_implicit_non_scalar(x):
+    return grad(x.sin(), x, None, is_grads_batched=True)
+
+
+def p_implicit_complex_scalar(x):
+    y = torch.view_as_complex(torch.stack([x.sin(), x.cos()], -1)).sum()
+    return grad(y, x)
+
+
+def p_implicit_complex_scalar_batched(x):
+    y = torch.view_as_complex(torch.stack([x.sin(), x.cos()], -1)).sum()
+    return grad(y, x, None, is_grads_batched=True)
+
+
+def p_unused_input(x, z, V):
+    return grad(x.sin(), (x, z), V, is_grads_batched=True)
+
+
+def p_input_not_requiring_grad(x, w, V):
+    return grad(x.sin() * w, (x, w), V, is_grads_batched=True)
+
+
+def p_output_not_requiring_grad(x, w, V):
+    return grad(w * 2, x, V, is_grads_batched=True)
+
+
+def p_two_outputs(x, V1, V2):
+    return grad((x.sin(), x.cos()), x, (V1, V2), is_grads_batched=True)
+
+
+def p_two_outputs_one_grad(x, V1):
+    return grad((x.sin(), x.cos()), x, (V1,), is_grads_batched=True)
+
+
+def p_non_tensor_grad_output(x):
+    return grad(x.sin(), x, [1.0], is_grads_batched=True)
+
+
+def p_empty_inputs(x, V):
+    return grad(x.sin(), [], V, is_grads_batched=True)
+
+
+def p_materialize_without_allow_unused(x, z, V):
+    return grad(x.sin(), (x, z), V, is_grads_batched=True, materialize_grads=True, allow_unused=False)
+
+
+def p_freed_graph(x, V):
+    y = torch.exp(x)
+    first = grad(y, x, V, is_grads_batched=True)
+    second = grad(y, x, V, is_grads_batched=True)
+    return first, second
+
+
+def p_saved_tensor_modified(x, V):
+    y = torch.exp(x)  # exp saves its result
+    y.mul_(2)
+    return grad(y, x, V, is_grads_batched=True)
+
+
+def p_scalar_grad_output_batched(x, v):
+    return grad((x * x).sum(), x, v, is_grads_batched=True)
+
+
+def p_inputs_not_tensors(x, V):
+    return grad(x.sin(), 3, V, is_grads_batched=True)
+
+
+def p_implicit_scalar_batched(x):
+    return grad(x.sin().sum(), x, None, is_grads_batched=True)
+
+
+def p_extra_grad_outputs(x, V1, V2):
+    return grad(x.sin(), x, (V1, V2), is_grads_batched=True)
+
+
+def p_batched_create_graph(x, V):
+    (g,) = grad(torch.tanh(x * 2), x, V, is_grads_batched=True, create_graph=True)
+    return g, g.requires_grad
+
+
+def p_allow_unused(x, z, V):
+    return grad(x.sin(), (x, z), V, is_grads_batched=True, allow_unused=True)
+
+
+def p_materialize(x, z, V):
+    return grad(x.sin(), (x, z), V, is_grads_batched=True, materialize_grads=True)
+
+
+REJECTED: dict[str, Case] = {
+    "batched_shape_mismatch": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 2, 3, 5))),
+    "batched_rank_mismatch": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 2, 12))),
+    "unbatched_shape_mismatch": Case(p_unbatched, lambda g: (_x(g, 3, 4), _randn(g, 3, 5))),
+    "complex_grad_for_real_output": Case(
+        p_batched, lambda g: (_x(g, 3, 4), _randn(g, 2, 3, 4, dtype=torch.complex64))),
+    "real_grad_for_complex_output": Case(p_complex_output, lambda g: (_x(g, 3), _randn(g, 2, 3))),
+    "unbatched_complex_grad_for_real_output": Case(
+        p_unbatched, lambda g: (_x(g, 3, 4), _randn(g, 3, 4, dtype=torch.complex64))),
+    "implicit_grad_of_non_scalar": Case(p_implicit_non_scalar, lambda g: (_x(g, 3),)),
+    "implicit_grad_of_complex_scalar": Case(p_implicit_complex_scalar, lambda g: (_x(g, 3),)),
+    "implicit_grad_of_complex_scalar_batched": Case(p_implicit_complex_scalar_batched, lambda g: (_x(g, 3),)),
+    "implicit_grad_of_real_scalar_batched": Case(p_implicit_scalar_batched, lambda g: (_x(g, 3),)),
+    "unused_input_without_allow_unused": Case(p_unused_input, lambda g: (_x(g, 3), _x(g, 2), _randn(g, 4, 3))),
+    "input_not_requiring_grad": Case(p_input_not_requiring_grad, lambda g: (_x(g, 3), _randn(g, 3), _randn(g, 4, 3))),
+    "output_not_requiring_grad": Case(p_output_not_requiring_grad, lambda g: (_x(g, 3), _randn(g, 3), _randn(g, 4, 3))),
+    "too_few_grad_outputs": Case(p_two_outputs_one_grad, lambda g: (_x(g, 3), _randn(g, 4, 3))),
+    "batch_sizes_differ": Case(p_two_outputs, lambda g: (_x(g, 3), _randn(g, 2, 3), _randn(g, 5, 3))),
+    "non_tensor_grad_outputs": Case(p_non_tensor_grad_output, lambda g: (_x(g, 3),)),
+    "empty_inputs": Case(p_empty_inputs, lambda g: (_x(g, 3), _randn(g, 4, 3))),
+    "materialize_grads_with_allow_unused_false": Case(
+        p_materialize_without_allow_unused, lambda g: (_x(g, 3), _x(g, 2), _randn(g, 4, 3))),
+    "second_backward_through_freed_graph": Case(p_freed_graph, lambda g: (_x(g, 3), _randn(g, 4, 3))),
+    "batch_size_zero": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 0, 3, 4))),
+    "zero_dim_batched_grad_output": Case(p_scalar_grad_output_batched, lambda g: (_x(g, 3), torch.tensor(1.0))),
+    "saved_tensor_modified_in_place": Case(p_saved_tensor_modified, lambda g: (_x(g, 3), _randn(g, 4, 3))),
+    "inputs_not_tensors": Case(p_inputs_not_tensors, lambda g: (_x(g, 3), _randn(g, 4, 3))),
+    "grad_output_on_meta_device": Case(p_batched, lambda g: (_x(g, 3, 4), torch.empty(2, 3, 4, device="meta"))),
+    "grad_output_on_wrong_device": Case(
+        p_batched, lambda g: (_x(g, 3, 4), _randn(g, 2, 3, 4).to("cuda")), needs_cuda=True),
+}
+
+ACCEPTED: dict[str, Case] = {
+    "extra_grad_outputs": Case(p_extra_grad_outputs, lambda g: (_x(g, 3), _randn(g, 4, 3), _randn(g, 4, 7))),
+    "float64_cotangents": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 2, 3, 4, dtype=torch.float64))),
+    "integer_cotangents": Case(p_batched, lambda g: (_x(g, 3, 4), torch.randint(-3, 3, (2, 3, 4), generator=g))),
+    "stride_0_cotangents": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 1, 3, 4).expand(5, 3, 4))),
+    "fully_stride_0_cotangents": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 1, 1, 1).expand(5, 3, 4))),
+    "non_contiguous_cotangents": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 2, 4, 3).transpose(1, 2))),
+    "batch_size_one": Case(p_batched, lambda g: (_x(g, 3, 4), _randn(g, 1, 3, 4))),
+    "allow_unused": Case(p_allow_unused, lambda g: (_x(g, 3), _x(g, 2), _randn(g, 4, 3))),
+    "materialize_grads": Case(p_materialize, lambda g: (_x(g, 3), _x(g, 2), _randn(g, 4, 3))),
+    "create_graph": Case(p_batched_create_graph, lambda g: (_x(g, 3), _randn(g, 4, 3))),
+}
+
+# Cases where Dynamo itself refuses the program under fullgraph=True (before
+# any backend runs): the exception type Dynamo raises and a fragment of its
+# message.  These are Dynamo's checks, not dynbatch's.
+DYNAMO_REFUSES: dict[str, tuple[type[BaseException], str, str]] = {
+    # torch/_dynamo/variables/torch.py (handle_autograd_grad) graph-breaks when
+    # `inputs` is not a tensor or a sequence of tensors, before running anything.
+    "inputs_not_tensors": (
+        torch._dynamo.exc.Unsupported, "autograd.grad with unsupported argument type",
+        "Dynamo validates grad()'s argument types itself"),
+    # Dynamo tracks which grad_fns an earlier captured grad consumed and
+    # graph-breaks on a second grad through them (same file).
+    "second_backward_through_freed_graph": (
+        torch._dynamo.exc.Unsupported, "autograd.grad with already consumed grad_fn",
+        "Dynamo refuses a second backward through a consumed graph itself"),
+}
+
+
+def _run(fn: Callable, case: Case) -> tuple[str, Any]:
+    return outcome(fn, *case.make_args(_g()))
+
+
+def _assert_same_values(got: Any, want: Any, name: str) -> None:
+    flat_got, spec_got = torch.utils._pytree.tree_flatten(got)
+    flat_want, spec_want = torch.utils._pytree.tree_flatten(want)
+    assert spec_got == spec_want, f"{name}: result structure {spec_got} vs eager {spec_want}"
+    for i, (a, e) in enumerate(zip(flat_got, flat_want)):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor), f"{name}: leaf {i} is {type(a)}"
+            assert a.dtype == e.dtype, f"{name}: leaf {i} dtype {a.dtype} vs eager {e.dtype}"
+            assert_grads_equal([a], [e], msg=f"{name} leaf {i}")
+        else:
+            assert a == e, f"{name}: leaf {i}: {a!r} vs eager {e!r}"
+
+
+def _skip_without_device(case: Case) -> None:
+    if case.needs_cuda and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: this machine has none")
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
+@pytest.mark.parametrize("name", sorted(REJECTED))
+def test_rejected_like_eager(name, fullgraph, caplog):
+    case = REJECTED[name]
+    _skip_without_device(case)
+    e_kind, expected = _run(case.program, case)
+    assert e_kind == "raise", f"{name}: eager accepts this program now: {expected!r}"
+    compiled = compile_dynbatch(case.program, fullgraph=fullgraph)
+    with caplog.at_level(logging.WARNING, logger="dynbatch"):
+        kind, got = _run(compiled, case)
+    assert kind == "raise", f"{name}: compiled returned {got!r}, eager raises {expected!r}"
+    if fullgraph and name in DYNAMO_REFUSES:
+        exc_type, fragment, _why = DYNAMO_REFUSES[name]
+        assert isinstance(got, exc_type) and fragment in str(got), (
+            f"{name}: expected Dynamo's refusal {exc_type.__name__} ({fragment!r}), got {type(got).__name__}: {got}")
+        return
+    assert_same_exception(got, expected, name)
+    if fullgraph:
+        # dynbatch compiled the graph (no graph break) and ran it eagerly, logged and counted.
+        assert dynbatch.counters().get("graphs", 0) >= 1, dynbatch.counters()
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_accepted_like_eager(name, fullgraph):
+    case = ACCEPTED[name]
+    e_kind, expected = _run(case.program, case)
+    assert e_kind == "ok", f"{name}: eager rejects this program now: {expected!r}"
+    compiled = compile_dynbatch(case.program, fullgraph=fullgraph)
+    kind, got = _run(compiled, case)
+    assert kind == "ok", f"{name}: compiled raises {type(got).__name__}: {got}"
+    _assert_same_values(got, expected, name)
+    if fullgraph:
+        assert dynbatch.counters().get("graphs", 0) >= 1, dynbatch.counters()
+
+
+def test_corpus_size():
+    """The issue asks for at least 18 rejected cases."""
+    assert len(REJECTED) >= 18

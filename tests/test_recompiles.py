@@ -1,0 +1,231 @@
+"""Recompiles and graph breaks of supported programs (issue 4, item 4).
+
+Observed on torch 2.13 CPU (and asserted below):
+
+* Supported programs compile to one Dynamo graph with no graph break, under
+  ``fullgraph=False`` as well.
+* Batch sizes: with the default ``dynamic=None`` the first B >= 2 compiles a
+  static graph and the second B >= 2 recompiles once with B symbolic; no B
+  >= 2 compiles after that (2 graphs for all B >= 2).  With
+  ``torch._dynamo.mark_dynamic(V, 0)`` on the first call, or
+  ``dynamic=True``, one graph serves every B >= 2.  B=1 compiles its own
+  graph (Dynamo specialises sizes 0 and 1), and so does B=0 (which eager
+  rejects: that graph falls back and raises eager's error).
+* Repeated calls with the same shapes never recompile
+  (``error_on_recompile=True`` holds).
+* Changing a non-batch dimension of the primal (e.g. x from 4x16 to 6x16):
+  one recompile, in which automatic dynamic makes that dimension symbolic
+  too; further sizes of it (8, 10, ...) reuse that graph.  A change of rank
+  (2-D to 3-D input) is a new graph, as for any Dynamo program.
+* Not every op keeps B symbolic: ops whose batched backward reaches a
+  functorch batch rule that reads sizes as plain ints (layer_norm, conv,
+  pooling, diagonal, fft, ...) guard on B, so each new B compiles again.
+  Values stay right; see ``SPECIALIZES_B`` in test_opinfo.py for the list and
+  ``test_layer_norm_recompiles_per_batch_size`` here for one pinned example.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dynbatch
+from helpers_reliability import (
+    assert_grads_equal,
+    compile_dynbatch,
+    graph_breaks,
+    outcome,
+    reset_all,
+    unique_graphs,
+)
+
+grad = torch.autograd.grad
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset_all()
+    yield
+    reset_all()
+
+
+W1 = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)) / 4
+W2 = torch.randn(16, 16, generator=torch.Generator().manual_seed(2)) / 4
+LINEAR = torch.nn.Linear(16, 8)
+
+
+def mlp_jacobian(x, V):
+    x = x.detach().requires_grad_()
+    y = torch.tanh(torch.tanh(x @ W1) @ W2)
+    return grad(y, x, V, is_grads_batched=True)
+
+
+def two_outputs_two_inputs(x, V):
+    z = x.detach().requires_grad_()
+    w = (x * 2).detach().requires_grad_()
+    u = torch.sigmoid(z @ W1) * w
+    return grad((u, u.sum(-1)), (z, w), (V, V.sum(-1)), is_grads_batched=True)
+
+
+def unused_input(x, V):
+    z = x.detach().requires_grad_()
+    unused = x[0, :3].detach().requires_grad_()
+    return grad(torch.tanh(z @ W1), (z, unused), V, is_grads_batched=True, allow_unused=True)
+
+
+def module_params(x, V):
+    y = torch.tanh(LINEAR(x @ W1))
+    return grad(y, tuple(LINEAR.parameters()), V[..., :8], is_grads_batched=True)
+
+
+def create_graph_then_grad(x, V):
+    z = x.detach().requires_grad_()
+    (jv,) = grad(torch.tanh(z @ W1), z, V, is_grads_batched=True, create_graph=True)
+    return grad(jv.pow(2).sum(), z)
+
+
+def softmax_chain(x, V):
+    z = x.detach().requires_grad_()
+    y = F.log_softmax(torch.tanh(z @ W1), -1) + z.softmax(-1)
+    return grad(y, z, V, is_grads_batched=True)
+
+
+SUPPORTED = {f.__name__: f for f in (
+    mlp_jacobian, two_outputs_two_inputs, unused_input, module_params, create_graph_then_grad, softmax_chain)}
+
+
+def _V(B: int, rows: int = 4, cols: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, rows, cols, generator=torch.Generator().manual_seed(seed + B))
+
+
+def _x(rows: int = 4, cols: int = 16) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * 100 + cols))
+
+
+def _check(compiled, program, x, V):
+    got = compiled(x, V)
+    assert_grads_equal(got, program(x, V), msg=program.__name__)
+    return got
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_supported_programs_have_no_graph_break(name):
+    program = SUPPORTED[name]
+    compiled = compile_dynbatch(program, fullgraph=False)
+    _check(compiled, program, _x(), _V(3))
+    assert graph_breaks() == 0, dict(torch._dynamo.utils.counters["graph_break"])
+    assert unique_graphs() == 1
+    c = dynbatch.counters()
+    assert c.get("graphs") == 1 and c.get("graphs_batched") == 1 and not c.get("fallbacks"), c
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_batch_sizes_default_dynamic(name):
+    """dynamic=None: 2 graphs for every B >= 2, then one for B=1 and one for B=0."""
+    program = SUPPORTED[name]
+    compiled = compile_dynbatch(program)
+    x = _x()
+    for B in (2, 3, 5, 8, 13, 32):
+        _check(compiled, program, x, _V(B))
+    assert dynbatch.counters()["graphs"] == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for B in (4, 7, 64):
+            _check(compiled, program, x, _V(B))
+    _check(compiled, program, x, _V(1))
+    assert dynbatch.counters()["graphs"] == 3
+    _check(compiled, program, x, _V(1, seed=5))
+    assert dynbatch.counters()["graphs"] == 3
+    _assert_b0_like_eager(compiled, program, x)
+    assert dynbatch.counters()["graphs"] == 4
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("how", ["mark_dynamic", "dynamic_true"])
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_one_graph_for_all_batch_sizes_from_two(name, how):
+    program = SUPPORTED[name]
+    compiled = compile_dynbatch(program, dynamic=True if how == "dynamic_true" else None)
+    x = _x()
+    first = _V(2)
+    if how == "mark_dynamic":
+        torch._dynamo.mark_dynamic(first, 0)
+    _check(compiled, program, x, first)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for B in (3, 5, 8, 13, 32, 2):
+            _check(compiled, program, x, _V(B))
+    assert dynbatch.counters()["graphs"] == 1
+    _check(compiled, program, x, _V(1))
+    _assert_b0_like_eager(compiled, program, x)
+    assert dynbatch.counters()["graphs"] == 3  # + B=1 + B=0
+
+
+def _assert_b0_like_eager(compiled, program, x):
+    V0 = _V(0)
+    e_kind, expected = outcome(program, x, V0)
+    kind, got = outcome(compiled, x, V0)
+    assert (kind, type(got), str(got)) == (e_kind, type(expected), str(expected))
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_no_recompile_on_repeated_same_shape_calls(name):
+    program = SUPPORTED[name]
+    compiled = compile_dynbatch(program)
+    x = _x()
+    _check(compiled, program, x, _V(6))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(20):
+            _check(compiled, program, x, _V(6, seed=seed))
+    assert dynbatch.counters()["graphs"] == 1
+
+
+def elementwise_program(x, V):
+    z = x.detach().requires_grad_()
+    y = torch.tanh(z * 2).softmax(-1) * z.sum(-1, keepdim=True)
+    return grad(y, z, V, is_grads_batched=True)
+
+
+def test_changing_a_non_batch_dimension():
+    """Rows 4 -> 6 recompiles once (rows become symbolic); 8, 10 and new B reuse it."""
+    program = mlp_jacobian
+    compiled = compile_dynbatch(program)
+    _check(compiled, program, _x(4), _V(3, rows=4))
+    _check(compiled, program, _x(4), _V(5, rows=4))  # B becomes symbolic
+    assert dynbatch.counters()["graphs"] == 2
+    _check(compiled, program, _x(6), _V(5, rows=6))  # rows become symbolic
+    assert dynbatch.counters()["graphs"] == 3
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows, B in ((8, 5), (10, 9), (3, 2), (7, 40)):
+            _check(compiled, program, _x(rows), _V(B, rows=rows))
+    assert graph_breaks() == 0
+
+
+def test_changing_the_last_dimension_and_the_rank():
+    program = elementwise_program
+    compiled = compile_dynbatch(program)
+    for cols in (16, 10):  # B fixed, columns change: one recompile
+        _check(compiled, program, _x(4, cols), _V(3, cols=cols))
+    assert dynbatch.counters()["graphs"] == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for cols, B in ((12, 3), (7, 3)):
+            _check(compiled, program, _x(4, cols), _V(B, cols=cols))
+    x3 = torch.randn(3, 5, 7)  # another rank: another graph
+    _check(compiled, program, x3, torch.randn(4, 3, 5, 7))
+    assert dynbatch.counters()["graphs"] == 3
+    assert not dynbatch.counters().get("fallbacks")
+
+
+def layer_norm_program(x, V):
+    z = x.detach().requires_grad_()
+    return grad(F.layer_norm(torch.tanh(z), (16,)), z, V, is_grads_batched=True)
+
+
+def test_layer_norm_recompiles_per_batch_size():
+    """functorch's batch rule for native_layer_norm_backward reads B as an int,
+    which guards B: each new B compiles again (values stay right)."""
+    compiled = compile_dynbatch(layer_norm_program)
+    x = _x()
+    for n, B in enumerate((2, 3, 5, 8), start=1):
+        _check(compiled, layer_norm_program, x, _V(B))
+        assert dynbatch.counters()["graphs"] == n
+    assert graph_breaks() == 0
