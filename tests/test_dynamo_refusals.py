@@ -1,0 +1,73 @@
+"""Calls Dynamo itself refuses keep Dynamo's behaviour under dynbatch — issue 2 item 2.
+
+With fullgraph=False they graph-break and run eagerly (eager's result);
+with fullgraph=True they raise Dynamo's Unsupported error.  Never a wrong result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import AOT_EAGER, assert_same_grads
+
+
+def gradient_edge_program(x, V):
+    y = x.sin()
+    edge = torch.autograd.graph.get_gradient_edge(y)
+    return torch.autograd.grad(y.cos(), edge, V, is_grads_batched=True)
+
+
+def consumed_graph_program(x, V):
+    y = x * 2
+    (g,) = torch.autograd.grad(y, x, V, is_grads_batched=True)
+    return y, g  # y's graph was consumed by the grad
+
+
+def outside_path_program(h, W, V):
+    # grad w.r.t. W must traverse h's grad_fn, which was built outside.
+    return torch.autograd.grad(torch.tanh(h @ W), W, V, is_grads_batched=True)
+
+
+CASES = {
+    "gradient_edge": (gradient_edge_program, lambda: (torch.randn(3, requires_grad=True), torch.randn(2, 3))),
+    "consumed_graph_returned": (consumed_graph_program, lambda: (torch.randn(3, requires_grad=True), torch.randn(2, 3))),
+    "grad_fn_from_outside": (
+        outside_path_program,
+        lambda: ((torch.randn(4, requires_grad=True) * 2).reshape(2, 2), torch.randn(2, 2, requires_grad=True),
+                 torch.randn(3, 2, 2)),
+    ),
+}
+
+
+def _compile(fn, fullgraph):
+    return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, options=AOT_EAGER)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_graph_break_gives_eagers_result(case):
+    fn, make_args = CASES[case]
+    args = make_args()
+    try:
+        expected = fn(*args)
+    except Exception as e:  # where eager refuses, the compiled call raises the same type
+        with pytest.raises(type(e)):
+            _compile(fn, fullgraph=False)(*args)
+        return
+    got = _compile(fn, fullgraph=False)(*args)
+    for a, b in zip(_as_tuple(got), _as_tuple(expected)):
+        if isinstance(a, tuple):
+            assert_same_grads(a, b)
+        else:
+            torch.testing.assert_close(a, b)
+
+
+def _as_tuple(r):
+    return tuple(r) if isinstance(r, (tuple, list)) else (r,)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fullgraph_raises_dynamos_error(case):
+    fn, make_args = CASES[case]
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        _compile(fn, fullgraph=True)(*make_args())
