@@ -167,6 +167,15 @@ def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
     return tuple(excs)
 
 
+def restart_analysis_exceptions() -> tuple[type[BaseException], ...]:
+    """What AOTAutograd raises to make Dynamo re-trace the frame (e.g.
+    TensorifyScalarRestartAnalysis); a backend must let these through."""
+    from torch._dynamo import exc as dynamo_exc
+
+    restart = getattr(dynamo_exc, "RestartAnalysis", None)
+    return (restart,) if restart is not None else ()
+
+
 @contextlib.contextmanager
 def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
     """Discard the unbacked SymInts a fake run allocates; yield a counter of them.
@@ -205,6 +214,13 @@ def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_
     return _compile_fx(
         gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches
     )
+
+
+def custom_graph_pass_base() -> type:
+    """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
 
 
 def compile_fx_inner() -> Callable:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import batching, capture, lowering
+from . import _compat, batching, capture, lowering
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -46,6 +46,8 @@ def dynbatch_backend(
 
     try:
         compiled = lowering.lower(result.graph_module, example_inputs, opts, record)
+    except _compat.restart_analysis_exceptions():
+        raise  # Dynamo asks to re-trace the frame (e.g. to tensorify a float); not a failure
     except Exception as e:  # noqa: BLE001 - never hand back a graph we could not lower
         if not result.batched or opts.on_unsupported == "error":
             raise

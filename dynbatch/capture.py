@@ -13,7 +13,9 @@ Dynamo's per-frame compile entry point once (``_compat.wrap_dynamo_compile``)
 and, only when the frame is being compiled for dynbatch, enters a scope that
 (1) sets ``trace_autograd_ops=True``, (2) lets Dynamo inline
 ``torch.autograd.functional`` (jacobian/hessian with vectorize=True call
-``torch.autograd.grad(..., is_grads_batched=True)`` inside), and (3) routes Dynamo's fake-tensor run
+``torch.autograd.grad(..., is_grads_batched=True)`` inside), (3) swaps in
+batching rules that keep B symbolic (NOTE [Symbolic batch rules] in
+batch_rules.py), and (4) routes Dynamo's fake-tensor run
 of each captured ``torch.autograd.grad`` node through ``trace_grad`` below.
 Both are undone when that frame's compile ends.  Dynamo compiles one frame
 at a time under a global lock, so the scope never overlaps another backend's
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat, batch_rules
 from .batched_grad import batched_grad
 
 log = logging.getLogger("dynbatch")
@@ -73,8 +75,10 @@ def capture_scope():
             return trace_grad(node, args, kwargs)
         return original_run_node(tracer, node, args, kwargs, nnmodule)
 
-    with _compat.trace_autograd_ops_enabled(), _compat.dynamo_inlines_module(
-        "torch.autograd.functional"
+    with (
+        batch_rules.symbolic_batch_rules(),
+        _compat.trace_autograd_ops_enabled(),
+        _compat.dynamo_inlines_module("torch.autograd.functional"),
     ):
         utils.run_node = run_node
         try:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat
+from . import _compat, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
@@ -44,11 +44,16 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
         _remember(aten_gm, record, title, options.record_graphs)
         return inner(aten_gm, aten_inputs, **kwargs)
 
+    config_patches = dict(options.inductor_config)
+    # After vmap, elementwise derivative factors are computed on expanded (B-fold)
+    # copies of the primal; compute them once (passes.SinkExpands), unless the
+    # user brought their own pass.
+    config_patches.setdefault("post_grad_custom_pre_pass", passes.SinkExpands())
     return _compat.compile_fx(
         gm,
         example_inputs,
         inner_compile=recording_inner_compile,
-        config_patches=dict(options.inductor_config),
+        config_patches=config_patches,
     )
 
 

@@ -82,33 +82,67 @@ def summarize(times: list[float]) -> dict[str, float]:
 # --- memory -----------------------------------------------------------------
 
 CUDA_MEMORY = "torch.cuda.max_memory_allocated growth during one call"
-CPU_MEMORY = ("peak RSS growth during one call, sampled every 0.5 ms from /proc/self/statm "
-              "(approximate: the allocator may reuse memory freed by an earlier cell)")
-CPU_MEMORY_FALLBACK = "growth of ru_maxrss during one call (approximate: counts only a new process maximum)"
+CPU_MEMORY = ("peak of the bytes torch's CPU allocator holds during one call, from the profiler's "
+              "memory events (tensors only: not Python objects, not the allocator's caches)")
+RSS_MEMORY = ("peak RSS growth during one call, sampled every 0.5 ms from /proc/self/statm "
+              "(approximate: the C allocator keeps memory freed by earlier calls, so this often reads 0)")
 
 
 def memory_method(device: torch.device) -> str:
-    if device.type == "cuda":
-        return CUDA_MEMORY
-    return CPU_MEMORY if os.path.exists("/proc/self/statm") else CPU_MEMORY_FALLBACK
+    return CUDA_MEMORY if device.type == "cuda" else CPU_MEMORY
 
 
-def peak_memory(fn: Callable[[], Any], sync: Callable[[], None], device: torch.device) -> int:
-    """Bytes of extra memory one call needs at its peak (see :func:`memory_method`)."""
-    if device.type == "cuda":
+def peak_memory(fn: Callable[[], Any], sync: Callable[[], None], device: torch.device,
+                torch_tensors: bool = True) -> tuple[int, str]:
+    """Bytes of extra memory one call needs at its peak, and how that was measured."""
+    if device.type == "cuda" and torch_tensors:
         sync()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         fn()
         sync()
-        return max(0, torch.cuda.max_memory_allocated(device) - base)
+        return max(0, torch.cuda.max_memory_allocated(device) - base), CUDA_MEMORY
+    if torch_tensors:
+        try:
+            return _profiled_peak(fn), CPU_MEMORY
+        except Exception:  # noqa: BLE001 - the profiler's internals move; fall back to RSS
+            pass
     if os.path.exists("/proc/self/statm"):
         with _RssSampler() as sampler:
             fn()
-        return sampler.growth
+        return sampler.growth, RSS_MEMORY
     before = _maxrss_bytes()
     fn()
-    return max(0, _maxrss_bytes() - before)
+    return max(0, _maxrss_bytes() - before), "growth of ru_maxrss during one call (approximate)"
+
+
+def _profiled_peak(fn: Callable[[], Any]) -> int:
+    """Largest running sum of the allocations and frees the profiler records during ``fn()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2: the profiler's C++ side prints a line at every start and stop."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _maxrss_bytes() -> int:
@@ -181,6 +215,7 @@ def measure_cell(
     budget: Budget,
     to_torch: Callable[[Any], torch.Tensor],
     reference: torch.Tensor | None,
+    torch_tensors: bool = True,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Every figure of one (column, case) cell; returns it and the result (as torch)."""
     sync = synchronizer(device)
@@ -188,6 +223,6 @@ def measure_cell(
     result = to_torch(result)
     times = steady_times(fn, sync, budget)
     cell: dict[str, Any] = {"status": "ok", "first_call_s": first, **summarize(times), "times_s": times}
-    cell["peak_mem_bytes"] = peak_memory(fn, sync, device)
+    cell["peak_mem_bytes"], cell["mem_method"] = peak_memory(fn, sync, device, torch_tensors)
     cell["max_abs_err"] = max_abs_error(result, reference) if reference is not None else None
     return cell, result

@@ -41,10 +41,10 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def best_other(case: dict[str, Any], key: str) -> tuple[str | None, float | None]:
+def best_other(case: dict[str, Any], key: str, usable=lambda cell: True) -> tuple[str | None, float | None]:
     """The column other than dynbatch with the smallest ``key`` figure."""
     figures = [(cell[key], name) for name, cell in case["variants"].items()
-               if name != OURS and ok(cell) and cell.get(key) is not None]
+               if name != OURS and ok(cell) and cell.get(key) is not None and usable(cell)]
     if not figures:
         return None, None
     value, name = min(figures)
@@ -135,8 +135,12 @@ def time_table(results, notes: Footnotes) -> str:
     return table(header, body)
 
 
-def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str) -> str:
-    """One figure per cell with its ratio to eager_batched, and dynbatch over the best other."""
+def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
+                 usable=lambda cell: True) -> str:
+    """One figure per cell with its ratio to eager_batched, and dynbatch over the best other.
+
+    ``usable(cell)`` false: the figure was measured another way and is not compared ("n/a").
+    """
     cols = columns(results)
     header = ["problem", "case"] + [f"{v} {unit}" for v in cols] + (["dynbatch / best other"] if OURS in cols else [])
     body = []
@@ -144,11 +148,13 @@ def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str) -
         base = figure(case, REFERENCE, key)
 
         def render(case, v, base=base):
-            value = case["variants"][v].get(key)
-            return f"{fmt(value, scale)} {fmt_ratio(ratio(value, base))}"
+            cell = case["variants"][v]
+            if not usable(cell):
+                return "n/a"
+            return f"{fmt(cell.get(key), scale)} {fmt_ratio(ratio(cell.get(key), base))}"
 
         ours = figure(case, OURS, key)
-        other, other_value = best_other(case, key)
+        other, other_value = best_other(case, key, usable)
         ours_cells = [f"{fmt_ratio(ratio(ours, other_value))} ({other})" if other else "–"] if OURS in cols else []
         body.append([problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render)
                     + ours_cells)
@@ -203,8 +209,10 @@ def markdown(results: dict[str, Any]) -> str:
         "a recompile if the column needed one.",
         simple_table(results, notes, "first_call_s", 1.0, "s"),
         "## Peak memory",
-        f"MiB; {meta['memory_method']}.",
-        simple_table(results, notes, "peak_mem_bytes", 1 / 2 ** 20, "MiB"),
+        f"MiB; {meta['memory_method']}. A cell measured another way shows n/a (JAX's memory is outside "
+        "torch's allocators; its sampled RSS growth is in results.json).",
+        simple_table(results, notes, "peak_mem_bytes", 1 / 2 ** 20, "MiB",
+                     usable=lambda cell: cell.get("mem_method", meta["memory_method"]) == meta["memory_method"]),
         "## Graphs compiled over each problem's cases",
         "Dynamo graphs (JAX: jit cache entries) compiled while the column ran the cases in the order "
         "listed; a batch size that stays symbolic needs no new graph.",

@@ -1,8 +1,9 @@
 """Running the benchmark: every column on every case of every problem, one process.
 
-Order inside a problem: the floor, then ``eager_loop`` (the reference every
-error is measured against), the other in-process columns, and last the stock
-column in its subprocess.  ``torch._dynamo.reset()`` runs before each
+Order inside a problem: the floor, then the columns in ``VARIANTS`` order,
+``eager_loop`` first (the reference every error is measured against); the
+stock column runs in its subprocess while this process waits, so the two
+never share the CPU.  ``torch._dynamo.reset()`` runs before each
 problem: the columns' programs share code objects across problems, and
 Dynamo's cache (and its recompile limit) is per code object.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import os
 import platform
@@ -111,6 +113,15 @@ def _run_problem(problem, index: int, settings: Settings, stock_column, bar, pre
 
 def _run_column(variant, problem, settings: Settings, references, out, bar) -> None:
     """One in-process column over all cases of a problem."""
+    # Each compiled column starts from empty Inductor caches: dynbatch and
+    # compiled_func often generate identical kernels, and the second would
+    # otherwise find the first's and report a compile it never paid for.
+    fresh = settings.cold_compile_cache and variant in ("compiled_func", "dynbatch")
+    with _fresh_inductor_cache() if fresh else contextlib.nullcontext():
+        _run_column_cases(variant, problem, settings, references, out, bar)
+
+
+def _run_column_cases(variant, problem, settings: Settings, references, out, bar) -> None:
     device, cases = settings.device, out["cases"]
     before = dynbatch.counters()
     try:
@@ -123,8 +134,8 @@ def _run_column(variant, problem, settings: Settings, references, out, bar) -> N
     for i, (case, record) in enumerate(zip(problem.cases, cases)):
         args = runner.prepare(case)
         try:
-            cell, result = measure.measure_cell(lambda: runner.call(*args), device, settings.budget,
-                                                runner.to_torch, references[i])
+            cell, result = measure.measure_cell(functools.partial(runner.call, *args), device, settings.budget,
+                                                runner.to_torch, references[i], runner.torch_tensors)
             if variant == variants.TRUTH:
                 references[i], cell["max_abs_err"] = result, 0.0
                 # The scale errors are read against: float32 error grows with it.
@@ -184,6 +195,14 @@ def _free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _fresh_inductor_cache():
+    """torch's own "empty caches, in memory and on disk" context (private: renamed in 2.8)."""
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache", None)
+    return fresh() if fresh is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

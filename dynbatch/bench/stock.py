@@ -13,6 +13,7 @@ timeouts are recorded as the cell's status, never hidden.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import warnings
 from typing import Any, Callable
@@ -56,6 +57,9 @@ def _run(conn, task: Task) -> None:
 
     torch._dynamo.reset()
     device = torch.device(task.device)
+    if device.type == "cuda":  # as in the parent (runner.run): full fp32, no TF32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     try:
         problem = workloads.build(task.workload, task.tier, task.batch_sizes, device)[task.index]
         runner = variants.build("stock_compile", problem, device)
@@ -67,7 +71,7 @@ def _run(conn, task: Task) -> None:
     for case, ref in zip(problem.cases, task.references):
         args = runner.prepare(case)
         try:
-            cell, _ = measure.measure_cell(lambda: runner.call(*args), device, task.budget, runner.to_torch,
+            cell, _ = measure.measure_cell(functools.partial(runner.call, *args), device, task.budget, runner.to_torch,
                                            None if ref is None else torch.from_numpy(ref).to(device))
         except Exception as e:  # noqa: BLE001 - the crash is the finding
             cell = {"status": f"crashed: {measure.short_error(e)}"}

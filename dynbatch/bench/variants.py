@@ -9,6 +9,7 @@ who runs the program: eager PyTorch, stock Inductor, dynbatch, or JAX.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
@@ -46,6 +47,7 @@ class Runner:
     to_torch: Callable[[Any], torch.Tensor]  # the result as a torch tensor, to compare
     compiles: Callable[[], int | None] = lambda: None  # graphs compiled since this runner was built
     note: str = ""
+    torch_tensors: bool = True  # its memory lives in torch's allocators (not JAX's)
 
 
 # --- the three programs -------------------------------------------------------
@@ -143,8 +145,6 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
 
 
 def _jax_runner(problem: Problem, device: torch.device) -> Runner:
-    import os
-
     # JAX would otherwise take 75% of the GPU up front, starving torch in this process.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
@@ -157,7 +157,7 @@ def _jax_runner(problem: Problem, device: torch.device) -> Runner:
         raise VariantUnavailable(f"{problem.name} has no JAX version")
     platform = "gpu" if device.type == "cuda" else "cpu"
     try:
-        jax_device = jax.devices(platform)[0]
+        jax_device = _jax_devices(jax, platform, one_core=platform == "cpu" and torch.get_num_threads() == 1)[0]
     except RuntimeError as e:
         raise VariantUnavailable(f"jax has no {platform} device: {e}") from None
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -183,4 +183,22 @@ def _jax_runner(problem: Problem, device: torch.device) -> Runner:
         to_torch=lambda r: torch.from_numpy(np.asarray(r)).to(device),
         compiles=lambda: vjps._cache_size(),
         note=f"jax {jax.__version__} on {jax_device}",
+        torch_tensors=False,
     )
+
+
+def _jax_devices(jax, platform: str, one_core: bool):
+    """``jax.devices(platform)``; with ``one_core``, XLA's CPU thread pool gets one core.
+
+    XLA sizes its pool from the cores it may run on and ignores torch's thread
+    count.  Its pool threads are created when the CPU client starts, here, and
+    inherit this thread's affinity; the caller's affinity is restored after.
+    """
+    if not one_core or not hasattr(os, "sched_setaffinity"):
+        return jax.devices(platform)
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(saved)})
+    try:
+        return jax.devices(platform)
+    finally:
+        os.sched_setaffinity(0, saved)
