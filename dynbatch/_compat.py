@@ -196,6 +196,50 @@ def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
         yield lambda: shape_env.counter["create_unbacked_symbol"] - before
 
 
+# --- functorch ------------------------------------------------------------
+
+@contextlib.contextmanager
+def override_kernel(namespace: str, op: str, fn: Callable, dispatch_key: str) -> Iterator[None]:
+    """Register ``fn`` as ``namespace::op``'s kernel for ``dispatch_key``; restore on exit."""
+    import warnings
+
+    lib = torch.library.Library(namespace, "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
+        lib.impl(op, fn, dispatch_key)
+    try:
+        yield
+    finally:
+        lib._destroy()  # drops our kernel; the C++ one is in effect again
+
+
+def has_unbacked_symbols(x: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(x))
+
+
+def unwrap_batched(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A BatchedTensor's (value, batch dim, vmap level), as a batching rule sees it."""
+    from torch._C import _functorch
+
+    level = _functorch.maybe_get_level(t)
+    value, bdim = _functorch._unwrap_batched(t, level)
+    return value, bdim, level
+
+
+def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
+    from torch._C import _functorch
+
+    return _functorch._add_batch_dim(value, bdim, level)
+
+
+def below_vmap() -> Any:
+    """Dispatch past functorch's batching layer (inside a batching rule)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
 # --- Inductor -------------------------------------------------------------
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:

@@ -17,15 +17,19 @@ capture scope), so code outside dynbatch sees functorch unchanged.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
+
+from . import _compat
 
 
 def slice_backward(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
     rank = len(input_sizes)
     dim = dim % rank
+    if _data_dependent(start) or _data_dependent(end):
+        # e.g. tensor_split with tensor indices: `start < 0` below cannot be decided.
+        return _functorch_rule(grad, input_sizes, dim, start, end, step)
     size = input_sizes[dim]
     # The forward's slice bounds as autograd saved them: may be negative or 2**63-1.
     start = start + size if start < 0 else start
@@ -37,13 +41,20 @@ def slice_backward(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, e
     return torch.constant_pad_nd(grad, [0, 0] * (rank - 1 - dim) + [start, size - end], 0.0)
 
 
-@contextlib.contextmanager
-def symbolic_batch_rules() -> Iterator[None]:
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
-        lib.impl("slice_backward", slice_backward, "FuncTorchBatched")
-    try:
-        yield
-    finally:
-        lib._destroy()
+def _data_dependent(x) -> bool:
+    return isinstance(x, torch.SymInt) and _compat.has_unbacked_symbols(x)
+
+
+def _functorch_rule(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
+    """What functorch's C++ rule does (batch dim to the front, one unbatched
+    slice_backward), reading B as a SymInt; no Python branching on the bounds."""
+    value, bdim, level = _compat.unwrap_batched(grad)
+    value = value.movedim(bdim, 0)
+    with _compat.below_vmap():
+        out = torch.ops.aten.slice_backward(value, [value.size(0), *input_sizes], dim + 1, start, end, step)
+    return _compat.rewrap_batched(out, 0, level)
+
+
+def symbolic_batch_rules() -> contextlib.AbstractContextManager:
+    """Our rules in place of functorch's, until the context exits."""
+    return _compat.override_kernel("aten", "slice_backward", slice_backward, "FuncTorchBatched")

@@ -58,7 +58,7 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
         if not is_grad_call(node):
             continue
         if TRACE_ERROR in node.meta:
-            unsupported.append(Unsupported(node.name, f"eager raises {node.meta[TRACE_ERROR]}"))
+            unsupported.append(Unsupported(node.name, f"tracing it raises {node.meta[TRACE_ERROR]}"))
         elif UNSUPPORTED in node.meta:
             unsupported.append(Unsupported(node.name, node.meta[UNSUPPORTED]))
         elif is_batched_grad_call(node):

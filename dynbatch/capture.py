@@ -44,7 +44,7 @@ from .batched_grad import batched_grad
 
 log = logging.getLogger("dynbatch")
 
-# node.meta key: the "Type: message" eager raises for this grad call.
+# node.meta key: the "Type: message" this grad call raised while traced.
 TRACE_ERROR = "dynbatch_trace_error"
 # node.meta key: why this grad call must run eagerly although eager would not raise.
 UNSUPPORTED = "dynbatch_unsupported"

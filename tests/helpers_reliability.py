@@ -16,11 +16,8 @@ forwards the options.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Any, Callable, Sequence
 
-import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.utils
@@ -35,14 +32,6 @@ def reset_all() -> None:
     torch._dynamo.reset()
     dynbatch.reset()
     torch._dynamo.utils.counters.clear()
-
-
-@pytest.fixture
-def fresh():
-    """Fresh Dynamo caches and dynbatch counters around a test."""
-    reset_all()
-    yield
-    reset_all()
 
 
 class DynbatchCounter:
@@ -142,12 +131,6 @@ def assert_same_exception(actual: BaseException, expected: BaseException, msg: s
         f"eager raised {type(expected).__name__}: {expected}")
     assert str(actual) == str(expected), (
         f"{msg}: message differs\n compiled: {actual}\n eager:    {expected}")
-
-
-@contextlib.contextmanager
-def dynbatch_log(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING):
-    with caplog.at_level(level, logger="dynbatch"):
-        yield caplog
 
 
 def counters_delta(before: dict[str, int]) -> dict[str, int]:

@@ -27,7 +27,6 @@ import torch
 
 import dynbatch
 from helpers_reliability import (
-    AOT_EAGER,
     assert_grads_equal,
     assert_same_exception,
     compile_dynbatch,

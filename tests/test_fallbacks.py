@@ -395,3 +395,27 @@ def test_fallback_counts_add_up():
     c = dynbatch.counters()
     assert c.get("fallbacks") == 2 and c.get("graphs") == 2 and not c.get("graphs_batched"), c
     assert len(dynbatch.fallback_reasons()) == 2
+
+
+# --- regressions: graphs that must not fall back ---------------------------------------------
+
+def add_with_0dim(x, y, V):
+    return grad(torch.add(x, y, alpha=2), (x, y), V, is_grads_batched=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_restart_analysis_is_not_taken_for_a_lowering_failure(dtype, caplog):
+    """float64 with a 0-dim input: AOTAutograd asks Dynamo to re-trace
+    (TensorifyScalarRestartAnalysis).  dynbatch used to catch that as a lowering
+    failure and fall back (110 float64 OpInfo ops ran eagerly); now it lets it
+    through and the re-traced graph is batched."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, dtype=dtype, generator=g).requires_grad_()
+    y = torch.randn((), dtype=dtype, generator=g).requires_grad_()
+    V = torch.randn(3, 5, dtype=dtype, generator=g)
+    with caplog.at_level(logging.WARNING, logger="dynbatch"):
+        got = compile_dynbatch(add_with_0dim)(x, y, V)
+    assert_grads_equal(got, loop_grads((torch.add(x, y, alpha=2),), (x, y), (V,)))
+    c = dynbatch.counters()
+    assert c.get("graphs_batched") == 1 and not c.get("fallbacks"), (c, dynbatch.fallback_reasons())
+    assert "falling back" not in caplog.text

@@ -19,7 +19,7 @@ Observed on torch 2.13 CPU (and asserted below):
   (2-D to 3-D input) is a new graph, as for any Dynamo program.
 * Not every op keeps B symbolic: ops whose batched backward reaches a
   functorch batch rule that reads sizes as plain ints (layer_norm, conv,
-  pooling, diagonal, fft, ...) guard on B, so each new B compiles again.
+  pooling, diagonal, sort, ...) guard on B, so each new B compiles again.
   Values stay right; see ``SPECIALIZES_B`` in test_opinfo.py for the list and
   ``test_layer_norm_recompiles_per_batch_size`` here for one pinned example.
 """
@@ -229,3 +229,26 @@ def test_layer_norm_recompiles_per_batch_size():
         _check(compiled, layer_norm_program, x, _V(B))
         assert dynbatch.counters()["graphs"] == n
     assert graph_breaks() == 0
+
+
+def test_counting_backends():
+    """DynbatchCounter (helpers_reliability) counts dynbatch's graphs.  Stock
+    CompileCounterWithBackend("dynbatch") cannot: dynbatch enters its capture
+    scope only for a backend marked ``_dynbatch_backend``, so under it
+    torch.autograd.grad graph-breaks as in stock Dynamo (and it cannot pass
+    options= either)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from helpers_reliability import DynbatchCounter
+
+    counter = DynbatchCounter()
+    compiled = torch.compile(mlp_jacobian, backend=counter, fullgraph=True)
+    for B in (2, 3, 4):
+        _check(compiled, mlp_jacobian, _x(), _V(B))
+    assert counter.frame_count == dynbatch.counters()["graphs"] == 2
+
+    reset_all()
+    stock = CompileCounterWithBackend("dynbatch")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="trace_autograd_ops"):
+        torch.compile(mlp_jacobian, backend=stock, fullgraph=True)(_x(), _V(3))
+    assert stock.frame_count == 0

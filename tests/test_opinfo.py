@@ -1,0 +1,663 @@
+"""OpInfo sweep: batched vjp of every differentiable op, compiled with dynbatch.
+
+Modelled on PyTorch's ``test/functorch/test_ops.py::test_vmapvjp``: for each
+op in ``op_db`` that supports autograd in the dtype, and each sample input,
+
+    outs = op(sample)                    # differentiable outputs only
+    torch.autograd.grad(outs, diff_inputs, V, allow_unused=True, is_grads_batched=True)
+
+is compiled with dynbatch (``inner_compiler="aot_eager"``, ``fullgraph=True``)
+and compared, value and None-ness, with the oracle: a stacked loop of eager
+per-sample ``torch.autograd.grad`` calls.  Three cotangent layouts go through
+one compiled program (three grad calls on one forward): contiguous,
+non-contiguous (stride 2 in the last dim) and expanded (stride 0 in the
+batch dim).
+
+Outcomes of a case (``classify``):
+  match        batched by dynbatch and equal to the loop
+  fallback     dynbatch fell back to eager (counted, logged) and the result
+               equals eager ``is_grads_batched=True``
+  eager_error  the compiled call raised eager's exception (type and message)
+  graph_break  Dynamo itself refused the program under fullgraph=True (and
+               without fullgraph the result is eager's)
+  stock_compile_fails  the compiled call raises where eager does not, and the
+               op's forward alone fails the same way under stock
+               torch.compile(backend="aot_eager"): a PyTorch bug
+  aot_legacy_vmap, eager_batched  see their uses in ``classify``
+  mismatch     anything else: a wrong value, None-ness, or a foreign error
+Ops whose cases are not all ``match`` are listed in ``EXPECTED_FAILURES``
+with a reason and the outcome(s) they are allowed; a ``mismatch`` is never
+allowed.  ``TOLERANCES`` loosens the comparison for ops where a batched
+kernel and the per-sample loop legitimately round differently.
+
+Slices:
+  default (CI)  every op's first ``DYNBATCH_OPINFO_SAMPLES`` (default 1)
+                sample(s), float32: one compiled program holding four batched
+                grads (B=3 in the three layouts, and B=1); plus the symbolic-B
+                pass (B=2, 5, 8; at most one compile after the first) on every
+                op's first sample.
+  slow          (-m slow) every sample (or the first
+                ``DYNBATCH_OPINFO_SLOW_SAMPLES``), float32 and float64, B=3 and
+                B=1 in all three layouts; and the symbolic-B pass on the first
+                ``SYMBOLIC_SLOW_SAMPLES`` samples.
+The figures (ops matched / expected failures / mismatches, and cases by
+outcome) are printed in the terminal summary; ``DYNBATCH_OPINFO_RECORD=path``
+also writes every outcome to a JSON file.
+
+Run:  .venv/bin/python -m pytest tests/test_opinfo.py -q
+      DYNBATCH_OPINFO_SAMPLES=2 .venv/bin/python -m pytest tests/test_opinfo.py -q
+      .venv/bin/python -m pytest tests/test_opinfo.py -q -m slow
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch._dynamo
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import dynbatch
+from helpers_reliability import (
+    assert_grads_equal,
+    compile_dynbatch,
+    counters_delta,
+    loop_grads,
+    outcome,
+    reset_all,
+)
+
+FAST_SAMPLES = int(os.environ.get("DYNBATCH_OPINFO_SAMPLES", "1"))
+# The slow sweep takes every sample unless this caps it (for partial runs).
+SLOW_SAMPLES = int(os.environ["DYNBATCH_OPINFO_SLOW_SAMPLES"]) if os.environ.get("DYNBATCH_OPINFO_SLOW_SAMPLES") else None
+
+
+def op_key(op) -> str:
+    return op.name + (f"/{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def _ops(dtype: torch.dtype) -> list:
+    return [op for op in op_db if op.supports_autograd and dtype in op.supported_dtypes("cpu")]
+
+
+OPS_F32 = _ops(torch.float32)
+OPS_F64 = _ops(torch.float64)
+
+# op key -> (reason, allowed outcomes).  Found by running the sweep on torch
+# 2.13 CPU; every entry says why the op is not a plain "match".  "mismatch"
+# is never allowed.
+_HARNESS_RNG = ("OpInfo wraps this random op in torch.testing._utils.wrapper_set_seed, whose "
+                "freeze_rng_state() Dynamo cannot trace (\"Attempted to call function marked as "
+                "skipped\"): Dynamo's refusal; without fullgraph the result equals eager's")
+_GRAPH_BREAK = frozenset({"graph_break"})
+EXPECTED_FAILURES: dict[str, tuple[str, frozenset[str]]] = {
+    **{key: (_HARNESS_RNG, _GRAPH_BREAK) for key in (
+        "bernoulli", "normal", "normal/number_mean", "nn.functional.alpha_dropout", "nn.functional.dropout",
+        "nn.functional.dropout2d", "nn.functional.dropout3d",
+        "nn.functional.feature_alpha_dropout/with_train", "nn.functional.feature_alpha_dropout/without_train",
+        "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
+        "nn.functional.multi_head_attention_forward", "nn.functional.rrelu",
+        "nn.functional.scaled_dot_product_attention")},
+    **{key: (_HARNESS_RNG + ". Without fullgraph the forward is compiled by AOTAutograd and the grad runs "
+             "eagerly (Dynamo: 'autograd.grad with external grad_fn'); for a non-contiguous cotangent the "
+             "AOTAutograd backward prologue's copy_ cannot run under eager's legacy vmap "
+             "(_is_aot_legacy_vmap_error); stock backend='aot_eager' fails the same way",
+             frozenset({"graph_break", "aot_legacy_vmap"}))
+       for key in ("svd_lowrank", "pca_lowrank")},
+    **{key: ("Dynamo graph-breaks on .item() in the forward ('Data dependent operator', "
+             "capture_scalar_outputs=False); without fullgraph the result equals eager's", _GRAPH_BREAK)
+       for key in ("corrcoef", "cov")},
+    "nn.functional.gaussian_nll_loss": (
+        "the forward's torch.any(var < 0) check is data-dependent: Dynamo raises UserError under "
+        "fullgraph=True; without fullgraph the result equals eager's", _GRAPH_BREAK),
+    **{key: ("a dynamic-output-shape op in the forward (Dynamo 'Dynamic shape operator', "
+             "capture_dynamic_output_shape_ops=False); without fullgraph the result equals eager's", _GRAPH_BREAK)
+       for key in ("nn.functional.ctc_loss", "linalg.lstsq", "linalg.lstsq/grad_oriented")},
+    **{key: ("sparse tensors: Dynamo cannot wrap them ('Attempted to wrap sparse Tensor'); without "
+             "fullgraph the result equals eager's", _GRAPH_BREAK)
+       for key in ("sparse.sampled_addmm", "to_sparse")},
+    "nn.functional.linear_cross_entropy/chunked_none": (
+        "the backward does an in-place mul_ of a batched grad into an unbatched tensor: functorch's "
+        "vmap and eager's legacy vmap both reject it; dynbatch falls back and raises eager's error. "
+        "Samples with a 3-d weight take a chunked path Dynamo cannot trace ('Attempted to call "
+        "function marked as skipped'): Dynamo's refusal", frozenset({"eager_error", "graph_break"})),
+    "nn.functional.linear_cross_entropy/chunked": (
+        "samples with a 3-d weight take a chunked path Dynamo cannot trace ('Attempted to call "
+        "function marked as skipped'); without fullgraph the result equals eager's", _GRAPH_BREAK),
+    "combinations": (
+        "r=2 over one element (an empty result): the forward alone fails under stock "
+        "torch.compile(backend='aot_eager', fullgraph=True) with PendingUnbackedSymbolNotFound",
+        frozenset({"stock_compile_fails"})),
+    "masked_select": (
+        "a mask broadcast to more elements than the input: the forward alone fails under stock "
+        "torch.compile(backend='aot_eager') with a wrong runtime assertion (u0 <= input numel)",
+        frozenset({"stock_compile_fails"})),
+    "as_strided_scatter": (
+        "PyTorch's as_strided_scatter backward disagrees with itself: for the size-()/stride-() sample "
+        "the per-sample loop gives a grad that ignores the cotangent, while eager is_grads_batched and "
+        "functorch give v (functorch's own test_ops xfails as_strided_scatter); dynbatch equals eager "
+        "is_grads_batched wherever eager returns (eager raises for the non-contiguous cotangent)",
+        frozenset({"eager_batched"})),
+    **{key: ("the batched backward has data-dependent sizes (unbacked SymInts, e.g. nonzero under a "
+             "boolean mask or a tensor index); dynbatch falls back on purpose (capture.UNSUPPORTED), "
+             "eager's values", frozenset({"fallback"}))
+       for key in ("index_fill", "index_put")},
+    "tensor_split": (
+        "tensor indices_or_sections: lowering the batched graph hits a data-dependent size "
+        "(GuardOnDataDependentSymNode); dynbatch falls back, eager's values", frozenset({"fallback"})),
+}
+
+# op key -> (rtol, atol) for float32 (float64 uses the defaults).
+# layer_norm over a single element: the exact grad is 0 and rstd = 1/sqrt(eps)
+# ~ 316 amplifies rounding; eager's per-sample kernel returns noise up to ~5e-4
+# where dynbatch returns 0 (float64: 6e-14 vs 0).
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "nn.functional.layer_norm": (1.3e-5, 1e-3),
+    "native_layer_norm": (1.3e-5, 1e-3),
+}
+
+# Ops whose samples cannot be compared with the loop at all.
+SKIPS: dict[str, str] = {
+    "sparse.mm/reduce": "its grads are sparse CSR tensors, which the loop oracle cannot stack "
+                        "(and Dynamo cannot wrap sparse tensors)",
+}
+
+# Ops whose batched backward guards on B, so each new B compiles again (the
+# symbolic pass's "specializes_B"; values stay right).  Found on torch 2.13
+# before dynbatch's symbolic slice_backward rule (batch_rules.py), which has
+# since freed some of them (the figures list entries a run did not need).  In
+# every first-sample case (checked by instrumenting FakeTensor's
+# aten.size.default handler) a
+# functorch batch rule reads the sizes of a tensor with a symbolic batch size
+# as plain ints (TensorImpl::size via the Python dispatcher), e.g.
+# diagonal_backward's generated plumbing in BatchRulesViews.cpp; Dynamo then
+# specialises B.  A PyTorch (functorch) limitation; dynbatch cannot avoid it
+# short of padding B.
+SPECIALIZES_B: frozenset[str] = frozenset({
+    '__getitem__', '_batch_norm_with_update', '_native_batch_norm_legit',
+    '_segment_reduce/lengths', '_segment_reduce/offsets', '_upsample_bilinear2d_aa',
+    'chunk', 'combinations', 'cross', 'cummax', 'cummin', 'cumulative_trapezoid', 'diag',
+    'diagonal', 'diagonal_copy', 'diagonal_scatter', 'diff', 'dsplit', 'fft.fft2',
+    'fft.fftn', 'fft.hfft', 'fft.hfft2', 'fft.hfftn', 'fft.ifft2', 'fft.ifftn',
+    'fft.ihfft2', 'fft.ihfftn', 'fft.irfft', 'fft.irfft2', 'fft.irfftn', 'fft.rfft2',
+    'fft.rfftn', 'gather', 'gradient', 'grid_sampler_2d', 'grid_sampler_3d', 'hsplit',
+    'index_add', 'index_copy', 'index_reduce/amax', 'index_reduce/amin',
+    'index_reduce/mean', 'index_reduce/prod', 'index_select', 'kthvalue', 'linalg.cond',
+    'linalg.cross', 'linalg.diagonal', 'linalg.eig', 'linalg.eigh', 'linalg.eigvals',
+    'linalg.householder_product', 'linalg.lu', 'linalg.lu_factor', 'linalg.lu_factor_ex',
+    'lu', 'lu_unpack', 'masked.median', 'masked_scatter', 'masked_select', 'matrix_exp',
+    'max/reduction_with_dim', 'median', 'min/reduction_with_dim', 'mode', 'msort',
+    'nanmedian', 'nanquantile', 'narrow', 'narrow_copy', 'native_batch_norm',
+    'native_layer_norm', 'nn.functional.adaptive_avg_pool1d',
+    'nn.functional.adaptive_avg_pool2d', 'nn.functional.adaptive_avg_pool3d',
+    'nn.functional.adaptive_max_pool1d', 'nn.functional.adaptive_max_pool2d',
+    'nn.functional.adaptive_max_pool3d', 'nn.functional.avg_pool1d',
+    'nn.functional.avg_pool2d', 'nn.functional.avg_pool3d', 'nn.functional.batch_norm',
+    'nn.functional.bilinear', 'nn.functional.binary_cross_entropy',
+    'nn.functional.channel_shuffle', 'nn.functional.conv1d', 'nn.functional.conv2d',
+    'nn.functional.conv3d', 'nn.functional.conv_transpose1d',
+    'nn.functional.conv_transpose2d', 'nn.functional.conv_transpose3d',
+    'nn.functional.embedding', 'nn.functional.embedding_bag', 'nn.functional.gelu',
+    'nn.functional.glu', 'nn.functional.grid_sample', 'nn.functional.group_norm',
+    'nn.functional.instance_norm', 'nn.functional.interpolate/area',
+    'nn.functional.layer_norm', 'nn.functional.local_response_norm',
+    'nn.functional.max_pool1d', 'nn.functional.max_pool2d', 'nn.functional.max_pool3d',
+    'nn.functional.max_unpool1d', 'nn.functional.max_unpool1d/grad',
+    'nn.functional.max_unpool2d', 'nn.functional.max_unpool2d/grad',
+    'nn.functional.max_unpool3d', 'nn.functional.max_unpool3d/grad', 'nn.functional.mish',
+    'nn.functional.multi_margin_loss', 'nn.functional.multilabel_margin_loss',
+    'nn.functional.pad/circular', 'nn.functional.pad/reflect',
+    'nn.functional.pad/replicate', 'nn.functional.pad/replicate_negative',
+    'nn.functional.pdist', 'nn.functional.pixel_shuffle', 'nn.functional.pixel_unshuffle',
+    'nn.functional.soft_margin_loss', 'nn.functional.unfold', 'ormqr', 'put', 'quantile',
+    'scatter', 'scatter_add', 'scatter_reduce/amax', 'scatter_reduce/amin',
+    'scatter_reduce/mean', 'scatter_reduce/prod', 'scatter_reduce/sum', 'select_scatter',
+    'slice', 'slice_scatter', 'sort', 'split', 'split/list_args', 'split_with_sizes',
+    'split_with_sizes_copy', 'stft', 'take', 'take_along_dim', 'tensor_split', 'topk',
+    'trapezoid', 'trapz', 'unfold', 'unfold_copy', 'unsafe_chunk', 'unsafe_split', 'vsplit'
+})
+
+# (rtol, atol).  float32: 10x assert_close's rtol, since a batched kernel may
+# reduce in another order than the per-sample one; float64: tight.
+DEFAULT_TOL = {torch.float32: (1.3e-5, 1e-5), torch.float64: (1e-7, 1e-7)}
+
+
+# --- building a case ----------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    fn: Callable[..., tuple[torch.Tensor, ...]]  # primals -> differentiable outputs
+    primals: list[torch.Tensor]
+
+
+def make_case(op, sample) -> Case | None:
+    """Split a SampleInput into differentiable leaves and a function of them."""
+    flat, spec = tree_flatten(((sample.input, *sample.args), sample.kwargs))
+    fresh: dict[int, torch.Tensor] = {}
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in fresh:
+            # a leaf of its own (same strides), so both runs differentiate w.r.t. it
+            fresh[id(leaf)] = leaf.detach().requires_grad_()
+    if not fresh:
+        return None
+    slots = [list(fresh).index(id(leaf)) if id(leaf) in fresh else None for leaf in flat]
+    constants = [None if s is not None else leaf for s, leaf in zip(slots, flat)]
+    process = sample.output_process_fn_grad
+
+    def fn(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = [primals[s] if s is not None else c for s, c in zip(slots, constants)]
+        args, kwargs = tree_unflatten(leaves, spec)
+        out = op(*args, **kwargs)
+        if process is not None:
+            out = process(out)
+        flat_out, _ = tree_flatten(out)
+        return tuple(o for o in flat_out if isinstance(o, torch.Tensor) and o.requires_grad)
+
+    return Case(fn, list(fresh.values()))
+
+
+def cotangents(outs: tuple[torch.Tensor, ...], B: int, layout: str, gen: torch.Generator) -> list[torch.Tensor]:
+    result = []
+    for o in outs:
+        shape = (B, *o.shape)
+        if layout == "contiguous":
+            v = torch.randn(shape, dtype=o.dtype, generator=gen)
+        elif layout == "noncontiguous":
+            v = torch.randn((*shape, 2), dtype=o.dtype, generator=gen)[..., 0]
+        elif layout == "expanded":
+            v = torch.randn((1, *o.shape), dtype=o.dtype, generator=gen).expand(shape)
+        else:
+            raise ValueError(layout)
+        result.append(v)
+    return result
+
+
+LAYOUTS = ("contiguous", "noncontiguous", "expanded")
+
+
+def batched_vjp_program(fn: Callable, n_sets: int) -> Callable:
+    """The program under test: one forward, ``n_sets`` batched grads of it."""
+
+    def program(primals: list[torch.Tensor], cot_sets: list[list[torch.Tensor]]):
+        outs = fn(*primals)
+        results = []
+        for k in range(n_sets):
+            results.append(torch.autograd.grad(
+                outs, primals, cot_sets[k], retain_graph=k < n_sets - 1,
+                allow_unused=True, is_grads_batched=True))
+        return results
+
+    return program
+
+
+# --- running and classifying a case -----------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+    status: str  # match | fallback | eager_error | graph_break | mismatch | skip
+    detail: str = ""
+
+
+def _seeded(fn: Callable, *args: Any) -> tuple[str, Any]:
+    torch.manual_seed(0)
+    return outcome(fn, *args)
+
+
+def _dynamo_refused(e: BaseException) -> bool:
+    """Dynamo's own refusal under fullgraph=True (not a dynbatch error)."""
+    return isinstance(e, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))
+
+
+def _tol(key: str, dtype: torch.dtype) -> tuple[float, float]:
+    if dtype == torch.float32 and key in TOLERANCES:
+        return TOLERANCES[key]
+    return DEFAULT_TOL[dtype]
+
+
+def _compare_sets(got, want, labels, key, rtol, atol) -> str | None:
+    try:
+        for label, g, e in zip(labels, got, want):
+            assert_grads_equal(g, e, rtol=rtol, atol=atol, msg=f"{key} {label}")
+    except AssertionError as err:
+        return str(err)[:2000]
+    return None
+
+
+def classify(case: Case, sets: tuple[tuple[int, str], ...], dtype: torch.dtype, key: str) -> Result:
+    """Run one sample through dynbatch and the oracles; see the module docstring.
+
+    ``sets``: (B, layout) of each batched grad call in the one compiled program.
+    """
+    reset_all()
+    gen = torch.Generator().manual_seed(len(sets))
+    labels = [f"B={B} {layout}" for B, layout in sets]
+    torch.manual_seed(0)
+    kind, outs = outcome(case.fn, *case.primals)
+    if kind == "raise":
+        return Result("skip", f"eager forward raises {type(outs).__name__}: {outs}")
+    if not outs:
+        return Result("skip", "no differentiable output")
+    cot_sets = [cotangents(outs, B, layout, gen) for B, layout in sets]
+    kind, expected = outcome(lambda: [loop_grads(outs, case.primals, cots) for cots in cot_sets])
+    if kind == "raise":
+        return Result("skip", f"the loop oracle raises {type(expected).__name__}: {_first_line(expected)}")
+    program = batched_vjp_program(case.fn, len(cot_sets))
+    rtol, atol = _tol(key, dtype)
+
+    before = dynbatch.counters()
+    kind, got = _seeded(compile_dynbatch(program, fullgraph=True), case.primals, cot_sets)
+    delta = counters_delta(before)
+    e_kind, e_val = _seeded(program, case.primals, cot_sets)  # eager is_grads_batched=True
+
+    if kind == "raise" and _dynamo_refused(got):
+        # Dynamo's behaviour: then without fullgraph the user must get eager's answer.
+        reason = f"{type(got).__name__}: {_first_line(got)}"
+        reset_all()
+        kind, got = _seeded(compile_dynbatch(program, fullgraph=False), case.primals, cot_sets)
+        if kind == "raise" or e_kind == "raise":
+            if kind == "raise" and e_kind == "raise" and _same_error(got, e_val):
+                return Result("graph_break", reason)
+            if kind == "raise" and e_kind == "ok" and _is_aot_legacy_vmap_error(got):
+                return Result("aot_legacy_vmap", f"{reason}; then {_short(got)}")
+            return Result("mismatch", f"fullgraph=False: compiled {kind} {_short(got)}, eager {e_kind} {_short(e_val)}")
+        err = _compare_sets(got, e_val, labels, key, rtol, atol)
+        return Result("mismatch", f"fullgraph=False differs from eager: {err}") if err else Result("graph_break", reason)
+    if kind == "raise":
+        if e_kind == "raise" and _same_error(got, e_val):
+            return Result("eager_error", f"{type(got).__name__}: {_first_line(got)}")
+        if e_kind == "ok" and _stock_forward_compile_fails_alike(case, got):
+            return Result("stock_compile_fails", f"{_short(got)} (the forward alone fails the same way "
+                                                 "under stock backend='aot_eager')")
+        return Result("mismatch", f"compiled raises {_short(got)}; eager {e_kind} {_short(e_val) if e_kind == 'raise' else ''}")
+    if delta.get("fallbacks", 0):
+        if e_kind == "raise":
+            return Result("mismatch", f"fell back and returned, but eager raises {_short(e_val)}")
+        err = _compare_sets(got, e_val, labels, key, 0, 0)
+        if err:
+            return Result("mismatch", f"fell back but differs from eager: {err}")
+        return Result("fallback", "; ".join(dynbatch.fallback_reasons())[:300])
+    if not delta.get("grads_batched", 0):
+        return Result("mismatch", f"dynbatch batched nothing: counters {delta}")
+    err = _compare_sets(got, expected, labels, key, rtol, atol)
+    if err is None:
+        return Result("match")
+    # dynbatch == eager is_grads_batched (where eager returns), both differ from the loop?
+    same_as_eager, eager_raises = True, []
+    for k, label in enumerate(labels):
+        one = batched_vjp_program(case.fn, 1)
+        k_kind, k_val = _seeded(one, case.primals, [cot_sets[k]])
+        if k_kind == "raise":
+            eager_raises.append(f"{label}: {_short(k_val)}")
+        elif _compare_sets([got[k]], k_val, (label,), key, rtol, atol) is not None:
+            same_as_eager = False
+    if same_as_eager and len(eager_raises) < len(labels):
+        return Result("eager_batched", f"{err}\neager is_grads_batched raises for {eager_raises}")
+    return Result("mismatch", err)
+
+
+def _stock_forward_compile_fails_alike(case: Case, err: BaseException) -> bool:
+    """Does the op's forward alone, under stock torch.compile(backend="aot_eager",
+    fullgraph=True) and without any grad, raise the same kind of error?  Then the
+    failure is PyTorch's (Dynamo / AOTAutograd / a meta function), not dynbatch's."""
+    torch._dynamo.reset()
+    try:
+        kind, stock = outcome(torch.compile(lambda *p: case.fn(*p), backend="aot_eager", fullgraph=True),
+                              *case.primals)
+    finally:
+        torch._dynamo.reset()
+    return kind == "raise" and type(stock) is type(err) and _first_line(stock)[:60] == _first_line(err)[:60]
+
+
+def _is_aot_legacy_vmap_error(e: BaseException) -> bool:
+    """AOTAutograd's backward prologue copies a tangent with ``copy_``, which
+    eager's legacy ``_vmap_internals`` (is_grads_batched in eager) cannot batch."""
+    import traceback
+
+    frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+    return (isinstance(e, RuntimeError)
+            and str(e).startswith("vmap: aten::copy_(self, *extra_args) is not possible")
+            and "coerce_to_expected_memory_format" in frames)
+
+
+def _same_error(a: BaseException, b: BaseException) -> bool:
+    return type(a) is type(b) and str(a) == str(b)
+
+
+def _short(x: Any) -> str:
+    return f"{type(x).__name__}: {_first_line(x)}" if isinstance(x, BaseException) else ""
+
+
+def classify_symbolic(case: Case, key: str, batch_sizes=(2, 5, 8)) -> Result:
+    """B = 2, 5, 8 in a row: one compile, one recompile that makes B dynamic, then none.
+
+    ``specializes_B``: every value is right but each new B compiles again
+    (something in the batched backward guards on B; see SPECIALIZES_B).
+    """
+    reset_all()
+    program = batched_vjp_program(case.fn, 1)
+    compiled = compile_dynbatch(program, fullgraph=True)
+    graphs = []
+    for B in batch_sizes:
+        gen = torch.Generator().manual_seed(B)
+        torch.manual_seed(0)
+        outs = case.fn(*case.primals)  # afresh: some ops (batch_norm) bump saved versions
+        if not outs:
+            return Result("skip", "no differentiable output")
+        cots = cotangents(outs, B, "contiguous", gen)
+        kind, expected = outcome(loop_grads, outs, case.primals, cots)
+        if kind == "raise":
+            return Result("skip", f"the loop oracle raises {_short(expected)}")
+        before = dynbatch.counters()
+        kind, got = _seeded(compiled, case.primals, [cots])
+        delta = counters_delta(before)
+        if kind == "raise":
+            if _dynamo_refused(got):
+                return Result("graph_break", _short(got))
+            e_kind, e_val = _seeded(program, case.primals, [cots])
+            if e_kind == "raise" and _same_error(got, e_val):
+                return Result("eager_error", _short(got))
+            if e_kind == "ok" and _stock_forward_compile_fails_alike(case, got):
+                return Result("stock_compile_fails", _short(got))
+            return Result("mismatch", f"B={B}: raises {_short(got)}")
+        if delta.get("fallbacks", 0):
+            return Result("fallback", "; ".join(dynbatch.fallback_reasons())[:300])
+        graphs.append(dynbatch.counters().get("graphs", 0))
+        label = (f"B={B} contiguous (symbolic pass)",)
+        err = _compare_sets(got, [expected], label, key, *_tol(key, torch.float32))
+        if err:
+            e_kind, e_val = _seeded(program, case.primals, [cots])
+            if e_kind == "ok" and _compare_sets(got, e_val, label, key, *_tol(key, torch.float32)) is None:
+                return Result("eager_batched", err)
+            return Result("mismatch", err)
+    if graphs[-1] == graphs[-2] and graphs[-1] <= 2:
+        return Result("match")
+    if graphs == list(range(1, len(batch_sizes) + 1)):
+        return Result("specializes_B", f"one compile per B: graphs after B={batch_sizes}: {graphs}")
+    return Result("mismatch", f"compiles after B={batch_sizes}: {graphs}")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+# --- the tests ------------------------------------------------------------------------
+
+# The default slice folds B=3 (three layouts) and B=1 into one compiled program.
+FAST_SETS = tuple((3, layout) for layout in LAYOUTS) + ((1, "contiguous"),)
+SLOW_SETS = FAST_SETS + ((1, "noncontiguous"), (1, "expanded"))
+SYMBOLIC_SLOW_SAMPLES = 3
+
+# (test kind, op key) -> list of outcomes; summarised at the end of the session.
+OUTCOMES: dict[tuple[str, str], list[Result]] = collections.defaultdict(list)
+
+
+def _samples(op, dtype: torch.dtype, n: int | None) -> list:
+    return list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=True), n))
+
+
+def _allowed(key: str, kind: str) -> frozenset[str]:
+    allowed = {"match"}
+    if key in EXPECTED_FAILURES:
+        allowed |= EXPECTED_FAILURES[key][1]
+    if key in SKIPS:
+        allowed.add("skip")
+    if kind.startswith("symbolic") and key in SPECIALIZES_B:
+        allowed.add("specializes_B")
+    return frozenset(allowed)
+
+
+def _check(kind: str, key: str, results: list[Result]) -> None:
+    OUTCOMES[(kind, key)].extend(results)
+    allowed = _allowed(key, kind)
+    bad = [r for r in results
+           if r.status not in allowed and not (r.status == "skip" and r.detail in DATA_SKIPS)]
+    assert not bad, (
+        f"{key} ({kind}): unexpected outcome(s) {[r.status for r in bad]}; allowed {sorted(allowed)}\n"
+        + "\n\n".join(r.detail for r in bad))
+
+
+# Samples with nothing to differentiate: reported, not failures.
+DATA_SKIPS = frozenset({"no differentiable output", "no differentiable input"})
+
+
+def _run_batched(op, dtype: torch.dtype, n: int | None, sets) -> list[Result]:
+    key = op_key(op)
+    results = []
+    for sample in _samples(op, dtype, n):
+        case = make_case(op, sample)
+        results.append(Result("skip", "no differentiable input") if case is None
+                       else classify(case, sets, dtype, key))
+    return results
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", OPS_F32, ids=op_key)
+def test_batched_vjp(op):
+    """First sample(s) of every op, float32, B=3 in three layouts and B=1."""
+    _check("fast float32", op_key(op), _run_batched(op, torch.float32, FAST_SAMPLES, FAST_SETS))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", OPS_F32, ids=op_key)
+def test_symbolic_batch(op):
+    """First sample of every op: B = 2, 5, 8 compile at most twice (once where listed)."""
+    key = op_key(op)
+    samples = _samples(op, torch.float32, 1)
+    case = make_case(op, samples[0]) if samples else None
+    result = Result("skip", "no differentiable input") if case is None else classify_symbolic(case, key)
+    _check("symbolic float32", key, [result])
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", OPS_F32, ids=op_key)
+def test_batched_vjp_all_samples_float32(op):
+    _check("slow float32", op_key(op), _run_batched(op, torch.float32, SLOW_SAMPLES, SLOW_SETS))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", OPS_F64, ids=op_key)
+def test_batched_vjp_all_samples_float64(op):
+    _check("slow float64", op_key(op), _run_batched(op, torch.float64, SLOW_SAMPLES, SLOW_SETS))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", OPS_F32, ids=op_key)
+def test_symbolic_batch_more_samples(op):
+    key = op_key(op)
+    results = []
+    for sample in _samples(op, torch.float32, SYMBOLIC_SLOW_SAMPLES):
+        case = make_case(op, sample)
+        results.append(Result("skip", "no differentiable input") if case is None
+                       else classify_symbolic(case, key))
+    _check("symbolic float32 (3 samples)", key, results)
+
+
+def test_expected_failure_table_is_well_formed():
+    """Every entry names a real op, gives a reason, and never allows 'mismatch'."""
+    keys = {op_key(op) for op in OPS_F32 + OPS_F64}
+    for key, (reason, allowed) in EXPECTED_FAILURES.items():
+        assert key in keys, key
+        assert reason.strip(), key
+        assert allowed and "mismatch" not in allowed and "match" not in allowed, key
+        assert allowed <= {"fallback", "eager_error", "graph_break", "aot_legacy_vmap", "eager_batched",
+                           "stock_compile_fails"}, key
+    for key in list(SKIPS) + list(SPECIALIZES_B) + list(TOLERANCES):
+        assert key in keys, key
+
+
+# --- figures -------------------------------------------------------------------------
+
+def figures() -> list[str]:
+    """Per test kind: ops matched / expected failures / mismatches, and cases by outcome."""
+    lines = []
+    kinds = sorted({kind for kind, _ in OUTCOMES})
+    for kind in kinds:
+        per_op = {key: rs for (k, key), rs in OUTCOMES.items() if k == kind}
+        cases = collections.Counter(r.status for rs in per_op.values() for r in rs)
+        matched = expected = mismatched = skipped = 0
+        for key, rs in per_op.items():
+            statuses = {r.status for r in rs}
+            allowed = _allowed(key, kind)
+            if statuses - allowed - {"skip"}:
+                mismatched += 1
+            elif statuses <= {"match"}:
+                matched += 1
+            elif statuses <= {"skip"} or statuses <= {"skip", "match"} and "match" not in statuses:
+                skipped += 1
+            elif statuses <= {"match", "skip"}:
+                matched += 1
+            else:
+                expected += 1
+        lines.append(f"dynbatch OpInfo [{kind}]: {len(per_op)} ops: {matched} matched, "
+                     f"{expected} expected failures, {mismatched} mismatches, {skipped} skipped; "
+                     f"cases {dict(sorted(cases.items()))}")
+        # Table entries these samples did not need (stale, or a later sample needs them).
+        listed = set(EXPECTED_FAILURES) | (set(SPECIALIZES_B) if kind.startswith("symbolic") else set())
+        unneeded = sorted(k for k, rs in per_op.items() if k in listed and {r.status for r in rs} <= {"match"})
+        if unneeded:
+            lines.append(f"    listed but all-match here ({len(unneeded)}): {', '.join(unneeded)}")
+    return lines
+
+
+class _FiguresPlugin:
+    def pytest_terminal_summary(self, terminalreporter):
+        lines = figures()
+        if lines:
+            terminalreporter.section("dynbatch OpInfo figures")
+            for line in lines:
+                terminalreporter.write_line(line)
+        path = os.environ.get("DYNBATCH_OPINFO_RECORD")
+        if path:
+            import json
+
+            with open(path, "w") as f:
+                json.dump({f"{k}|{key}": [[r.status, r.detail[:500]] for r in rs]
+                           for (k, key), rs in OUTCOMES.items()}, f, indent=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _register_figures(request):
+    if not request.config.pluginmanager.has_plugin("dynbatch-opinfo-figures"):
+        request.config.pluginmanager.register(_FiguresPlugin(), "dynbatch-opinfo-figures")
+    yield
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_regression_tensor_split_with_tensor_indices_is_batched():
+    """tensor_split by a tensor of indices slices with data-dependent bounds.  The
+    symbolic slice_backward rule (dynbatch/batch_rules.py) branched on them in Python
+    ("Could not guard on data-dependent expression u2 < 0"): fullgraph=True failed
+    where functorch's own rule batched.  Such bounds now take functorch's rule."""
+    (op,) = [op for op in OPS_F32 if op_key(op) == "tensor_split"]
+    samples = _samples(op, torch.float32, 4)
+    results = [classify(make_case(op, samples[i]), FAST_SETS, torch.float32, "tensor_split") for i in (0, 2, 3)]
+    assert [r.status for r in results] == ["match"] * 3, [r.detail for r in results]
