@@ -12,12 +12,17 @@ import dynbatch
 AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
+def reset_all() -> None:
     torch._dynamo.reset()
     dynbatch.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    reset_all()
     yield
-    torch._dynamo.reset()
+    reset_all()
 
 
 def compile_dynbatch(fn, *, options=AOT_EAGER, fullgraph=True, **kwargs):

@@ -23,15 +23,11 @@ import torch._dynamo
 import torch._dynamo.utils
 
 import dynbatch
+from conftest import reset_all  # noqa: F401 - one reset for every suite, re-exported
 from dynbatch.backend import dynbatch_backend
 
 AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager"}
 
-
-def reset_all() -> None:
-    torch._dynamo.reset()
-    dynbatch.reset()
-    torch._dynamo.utils.counters.clear()
 
 
 class DynbatchCounter:

@@ -31,17 +31,9 @@ from helpers_reliability import (
     assert_same_exception,
     compile_dynbatch,
     outcome,
-    reset_all,
 )
 
 grad = torch.autograd.grad
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    reset_all()
-    yield
-    reset_all()
 
 
 @dataclasses.dataclass

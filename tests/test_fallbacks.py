@@ -60,17 +60,9 @@ from helpers_reliability import (
     counters_delta,
     loop_grads,
     outcome,
-    reset_all,
 )
 
 grad = torch.autograd.grad
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    reset_all()
-    yield
-    reset_all()
 
 
 def assert_eager_error(got: BaseException, expected: BaseException, *, through_hop: bool) -> None:

@@ -25,16 +25,9 @@ import pytest
 import torch
 
 import dynbatch
-from helpers_reliability import assert_grads_equal, compile_dynbatch, loop_grads, reset_all
+from helpers_reliability import assert_grads_equal, compile_dynbatch, loop_grads
 
 W = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)) / 4
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    reset_all()
-    yield
-    reset_all()
 
 
 def jacobian_program(x, V):

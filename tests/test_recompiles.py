@@ -43,13 +43,6 @@ from helpers_reliability import (
 grad = torch.autograd.grad
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    reset_all()
-    yield
-    reset_all()
-
-
 W1 = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)) / 4
 W2 = torch.randn(16, 16, generator=torch.Generator().manual_seed(2)) / 4
 LINEAR = torch.nn.Linear(16, 8)
