@@ -240,7 +240,7 @@ def _assert_same_values(got: Any, want: Any, name: str) -> None:
 
 def _skip_without_device(case: Case) -> None:
     if case.needs_cuda and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device: this machine has none")
+        pytest.skip(reason="needs a CUDA device: this machine has none")
 
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
