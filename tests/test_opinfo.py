@@ -141,7 +141,7 @@ EXPECTED_FAILURES: dict[str, tuple[str, frozenset[str]]] = {
     "as_strided_scatter": (
         "PyTorch's as_strided_scatter backward disagrees with itself: for the size-()/stride-() sample "
         "the per-sample loop gives a grad that ignores the cotangent, while eager is_grads_batched and "
-        "functorch give v (functorch's own test_ops xfails as_strided_scatter); dynbatch equals eager "
+        "functorch give v (functorch's own test_ops expects as_strided_scatter to fail); dynbatch equals eager "
         "is_grads_batched wherever eager returns (eager raises for the non-contiguous cotangent)",
         frozenset({"eager_batched"})),
     **{key: ("the batched backward has data-dependent sizes (unbacked SymInts, e.g. nonzero under a "
