@@ -17,7 +17,7 @@ and, only when the frame is being compiled for dynbatch, enters a scope that
 batching rules that keep B symbolic (NOTE [Symbolic batch rules] in
 batch_rules.py), and (4) routes Dynamo's fake-tensor run
 of each captured ``torch.autograd.grad`` node through ``trace_grad`` below.
-Both are undone when that frame's compile ends.  Dynamo compiles one frame
+All four are undone when that frame's compile ends.  Dynamo compiles one frame
 at a time under a global lock, so the scope never overlaps another backend's
 compile, and other backends see stock Dynamo.
 
@@ -48,6 +48,7 @@ log = logging.getLogger("dynbatch")
 TRACE_ERROR = "dynbatch_trace_error"
 # node.meta key: why this grad call must run eagerly although eager would not raise.
 UNSUPPORTED = "dynbatch_unsupported"
+
 
 def install() -> None:
     """Hook dynbatch's capture scope into Dynamo (idempotent). Runs when dynbatch loads."""

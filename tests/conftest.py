@@ -29,32 +29,41 @@ def compile_dynbatch(fn, *, options=AOT_EAGER, fullgraph=True, **kwargs):
     return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, options=options, **kwargs)
 
 
-def eager_loop_grad(outputs, inputs, grad_outputs, **kwargs):
-    """The oracle: one torch.autograd.grad per sample, stacked (None stays None)."""
-    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    grad_outputs = (grad_outputs,) if isinstance(grad_outputs, torch.Tensor) else tuple(grad_outputs)
+def _as_tuple(x):
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def loop_grads(outputs, inputs, grad_outputs, *, create_graph=False, allow_unused=True):
+    """The oracle: one eager torch.autograd.grad per sample, stacked.
+
+    A grad is None only if it is None for every sample (a property of the
+    autograd graph, so it is either always or never None).
+    """
+    outputs, inputs, grad_outputs = _as_tuple(outputs), _as_tuple(inputs), _as_tuple(grad_outputs)
     batch = grad_outputs[0].shape[0]
+    assert batch > 0, "the loop oracle needs at least one sample"
     per_sample = [
-        torch.autograd.grad(outputs, inputs, tuple(g[b] for g in grad_outputs), retain_graph=True, **kwargs)
+        torch.autograd.grad(outputs, inputs, tuple(g[b] for g in grad_outputs), retain_graph=True,
+                            create_graph=create_graph, allow_unused=allow_unused)
         for b in range(batch)
     ]
-    return tuple(
-        None if per_sample[0][i] is None else torch.stack([s[i] for s in per_sample])
-        for i in range(len(inputs))
-    )
+    result = []
+    for i in range(len(inputs)):
+        grads = [s[i] for s in per_sample]
+        assert len({g is None for g in grads}) == 1, "None-ness of a grad differs between samples"
+        result.append(None if grads[0] is None else torch.stack(grads))
+    return tuple(result)
 
 
-def assert_same_grads(actual, expected, *, atol=None, rtol=None):
+def assert_same_grads(actual, expected, *, atol=None, rtol=None, msg=""):
     """Values within dtype tolerance, same shapes and dtypes, and the same Nones."""
-    actual = (actual,) if isinstance(actual, torch.Tensor) else tuple(actual)
-    expected = (expected,) if isinstance(expected, torch.Tensor) else tuple(expected)
-    assert len(actual) == len(expected)
+    actual, expected = _as_tuple(actual), _as_tuple(expected)
+    assert len(actual) == len(expected), f"{msg}: {len(actual)} grads, expected {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected)):
-        assert (a is None) == (e is None), f"result {i}: None-ness differs ({a is None} vs {e is None})"
+        assert (a is None) == (e is None), f"{msg}: result {i}: None-ness differs ({a is None} vs {e is None})"
         if a is not None:
-            assert a.shape == e.shape, f"result {i}: shape {tuple(a.shape)} vs {tuple(e.shape)}"
-            torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"result {i}: {m}")
+            torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=True,
+                                       msg=lambda m, i=i: f"{msg}: result {i}: {m}")
 
 
 def assert_backend_ran(graphs=1, batched=None):

@@ -23,11 +23,12 @@ import torch._dynamo
 import torch._dynamo.utils
 
 import dynbatch
-from conftest import reset_all  # noqa: F401 - one reset for every suite, re-exported
+# One reset and one oracle for every suite (re-exported under the names these tests use).
+from conftest import assert_same_grads as assert_grads_equal  # noqa: F401
+from conftest import loop_grads, reset_all  # noqa: F401
 from dynbatch.backend import dynbatch_backend
 
 AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager"}
-
 
 
 class DynbatchCounter:
@@ -65,53 +66,7 @@ def unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-# --- oracles -------------------------------------------------------------------
-
-def loop_grads(
-    outputs: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor],
-    batched_grad_outputs: Sequence[torch.Tensor],
-    *,
-    create_graph: bool = False,
-    allow_unused: bool = True,
-) -> tuple[torch.Tensor | None, ...]:
-    """The oracle: one eager ``torch.autograd.grad`` per sample, stacked.
-
-    A grad is None only if it is None for every sample (it is a property of
-    the autograd graph, so it is either always or never None).
-    """
-    outputs, inputs = tuple(outputs), tuple(inputs)
-    B = batched_grad_outputs[0].shape[0]
-    assert B > 0, "the loop oracle needs at least one sample"
-    per_sample = []
-    for b in range(B):
-        per_sample.append(torch.autograd.grad(
-            outputs, inputs, [v[b] for v in batched_grad_outputs],
-            retain_graph=True, create_graph=create_graph, allow_unused=allow_unused,
-        ))
-    result = []
-    for i, inp in enumerate(inputs):
-        gs = [p[i] for p in per_sample]
-        nones = {g is None for g in gs}
-        assert len(nones) <= 1, "None-ness of a grad differs between samples"
-        result.append(None if gs[0] is None else torch.stack(gs))
-    return tuple(result)
-
-
-def assert_grads_equal(actual: Sequence[Any], expected: Sequence[Any], *, rtol: float | None = None,
-                       atol: float | None = None, msg: str = "") -> None:
-    """Values and None-ness, input by input."""
-    actual, expected = tuple(actual), tuple(expected)
-    assert len(actual) == len(expected), f"{msg}: {len(actual)} grads, expected {len(expected)}"
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        if e is None or a is None:
-            assert a is None and e is None, (
-                f"{msg}: grad {i} is {'None' if a is None else 'a tensor'}, "
-                f"eager's is {'None' if e is None else 'a tensor'}")
-            continue
-        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True,
-                                   msg=lambda m, i=i: f"{msg}: grad {i}: {m}")
-
+# --- outcomes ------------------------------------------------------------------
 
 def outcome(fn: Callable, *args: Any, **kwargs: Any) -> tuple[str, Any]:
     """("ok", value) or ("raise", exception)."""

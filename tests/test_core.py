@@ -11,7 +11,7 @@ import torch
 
 import dynbatch
 from dynbatch import _compat
-from conftest import AOT_EAGER, assert_backend_ran, assert_same_grads, compile_dynbatch, eager_loop_grad
+from conftest import AOT_EAGER, assert_backend_ran, assert_same_grads, compile_dynbatch, loop_grads
 
 torch.manual_seed(0)
 W1, W2 = torch.randn(6, 6) / 3, torch.randn(6, 6) / 3
@@ -53,7 +53,7 @@ def test_single_tensor_input_matches_eager_and_loop():
     x, V = torch.randn(4, 6), torch.randn(5, 4, 6)
     got = check(f, x, V)
     xl = leaf(x)
-    assert_same_grads(got, eager_loop_grad(mlp(xl), xl, V))
+    assert_same_grads(got, loop_grads(mlp(xl), xl, V))
 
 
 @pytest.mark.parametrize("container", [tuple, list])

@@ -7,7 +7,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import dynbatch
-from conftest import assert_backend_ran, assert_same_grads, eager_loop_grad
+from conftest import assert_backend_ran, assert_same_grads, loop_grads
 
 pytestmark = [
     pytest.mark.cuda,
@@ -72,7 +72,7 @@ def test_hessian_rows_and_loop_oracle_on_cuda(dtype):
     assert_same_grads(got, hess_rows(x, V), **tol)
     xl = x.detach().requires_grad_()
     (g,) = torch.autograd.grad(torch.tanh(xl @ W).pow(2).sum(), xl, create_graph=True)
-    assert_same_grads(got, eager_loop_grad(g, xl, V), **tol)
+    assert_same_grads(got, loop_grads(g, xl, V), **tol)
 
 
 def test_error_is_eagers_on_cuda():
