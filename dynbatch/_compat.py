@@ -199,18 +199,37 @@ def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
 # --- functorch ------------------------------------------------------------
 
 @contextlib.contextmanager
-def override_kernel(namespace: str, op: str, fn: Callable, dispatch_key: str) -> Iterator[None]:
-    """Register ``fn`` as ``namespace::op``'s kernel for ``dispatch_key``; restore on exit."""
+def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key: str) -> Iterator[None]:
+    """Register each ``op -> fn`` as the op's kernel for ``dispatch_key``; restore on exit.
+
+    ``op`` is an OpOverload or an op name in ``namespace``.
+    """
     import warnings
 
     lib = torch.library.Library(namespace, "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
-        lib.impl(op, fn, dispatch_key)
+        for op, fn in kernels.items():
+            lib.impl(op, fn, dispatch_key)
     try:
         yield
     finally:
-        lib._destroy()  # drops our kernel; the C++ one is in effect again
+        lib._destroy()  # drops our kernels; the C++ ones are in effect again
+
+
+def decomposition_table() -> dict:
+    from torch._decomp import decomposition_table as table
+
+    return table
+
+
+def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
+    """Does vmap batch ``op`` with a rule (C++, or one of functorch's Python
+    decompositions), rather than its slow per-sample fallback?"""
+    from torch._functorch.vmap import lazy_load_decompositions
+
+    lazy_load_decompositions()  # functorch registers some rules only on first use
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
 
 
 def has_unbacked_symbols(x: Any) -> bool:
@@ -219,13 +238,18 @@ def has_unbacked_symbols(x: Any) -> bool:
     return bool(free_unbacked_symbols(x))
 
 
-def unwrap_batched(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """A BatchedTensor's (value, batch dim, vmap level), as a batching rule sees it."""
+def current_vmap_level() -> int:
     from torch._C import _functorch
 
-    level = _functorch.maybe_get_level(t)
-    value, bdim = _functorch._unwrap_batched(t, level)
-    return value, bdim, level
+    return _functorch.current_level()
+
+
+def unwrap_at(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
+    """A tensor's (value, batch dim) at vmap ``level``, as a batching rule sees it:
+    (t, None) when ``t`` is not batched at that level."""
+    from torch._C import _functorch
+
+    return _functorch._unwrap_batched(t, level)
 
 
 def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:

@@ -8,20 +8,51 @@ int, so Dynamo adds the guard ``B == <example value>`` and every new B
 recompiles.  Any batched backward through a slice hits it, e.g. the Hessian
 of a loss in a flat parameter vector sliced with ``w[:k]``.  For ``step == 1``
 slice_backward is a zero pad, whose batching rule keeps B symbolic; other
-steps keep the old rule (right, only specialising).
+steps keep the old rule (right, only specialising).  ``cat`` does the same
+when it expands an unbatched operand to B, which every backward through
+``split``/``chunk`` does (batched grads of the used pieces, zeros for the
+rest); ``cat`` below expands with the symbolic B.
 
-The override is registered only for the length of a dynbatch compile (the
+NOTE [Backward ops without a batching rule]
+A few backward ops have no functorch batching rule at all (on torch 2.13:
+``rrelu_with_noise_backward``, ``mish_backward``, ``soft_margin_loss_backward``,
+``unfold_backward``, ``batch_norm_backward``, ...).  vmap then runs its slow
+fallback, a per-sample loop: the very unrolling dynbatch exists to remove (a
+graph that grows with B, and B read as an int).  ``torch._decomp`` writes each
+of them in ops that do have rules, so dynbatch makes the decomposition their
+batching rule, as functorch itself does for ``mse_loss_backward`` and a few
+others (``lazy_load_decompositions``).  The set is found at run time, so an op
+that gains a functorch rule in a later torch keeps it.
+
+The overrides are registered only for the length of a dynbatch compile (the
 capture scope), so code outside dynbatch sees functorch unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import torch
 
 from . import _compat
+
+
+def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, int]:
+    """A batching rule's arguments at the current vmap level, batch dim first:
+    batched tensors moved to dim 0, unbatched ones expanded to the (symbolic)
+    batch size, anything else as it is.  Returns (operands, B, level); B is
+    None, and the operands the plain values, when nothing is batched at this level."""
+    level = _compat.current_vmap_level()
+    values = [_compat.unwrap_at(a, level) if isinstance(a, torch.Tensor) else (a, None) for a in args]
+    sizes = [v.size(bdim) for v, bdim in values if bdim is not None]
+    if not sizes:
+        return [v for v, _ in values], None, level
+    B = sizes[0]
+    return [v.movedim(bdim, 0) if bdim is not None
+            else v.expand(B, *v.shape) if isinstance(v, torch.Tensor) else v
+            for v, bdim in values], B, level
 
 
 def slice_backward(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
@@ -48,13 +79,147 @@ def _data_dependent(x) -> bool:
 def _functorch_rule(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
     """What functorch's C++ rule does (batch dim to the front, one unbatched
     slice_backward), reading B as a SymInt; no Python branching on the bounds."""
-    value, bdim, level = _compat.unwrap_batched(grad)
-    value = value.movedim(bdim, 0)
+    (value,), B, level = _batch_dim_first([grad])  # slice_backward is only called with grad batched
     with _compat.below_vmap():
-        out = torch.ops.aten.slice_backward(value, [value.size(0), *input_sizes], dim + 1, start, end, step)
+        out = torch.ops.aten.slice_backward(value, [B, *input_sizes], dim + 1, start, end, step)
     return _compat.rewrap_batched(out, 0, level)
 
 
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """functorch's cat rule with the batch size kept symbolic.
+
+    The C++ rule expands each unbatched operand to the batch size read as an
+    int; the backward of split/chunk cats batched grads with unbatched zeros,
+    so every batched backward through a split guarded on B.
+    """
+    operands, B, level = _batch_dim_first(tensors)
+    with _compat.below_vmap():
+        if B is None:
+            return torch.ops.aten.cat.default(operands, dim)
+        # cat skips 1-d empty operands whatever the others' shape (legacy behaviour)
+        kept = [t for t in operands if not (t.dim() == 2 and t.size(1) == 0)] or operands[:1]
+        out = torch.ops.aten.cat.default(kept, dim % (kept[0].dim() - 1) + 1)
+    return _compat.rewrap_batched(out, 0, level)
+
+
+def fold_batch_into_dim0(op: torch._ops.OpOverload) -> Callable:
+    """Rule for an op that treats dim 0 of its tensors as independent samples
+    (pooling and padding backwards): fold B into that dim, run once, unfold.
+
+    What functorch's ``EXISTING_BDIM_ALL`` rules do, with B symbolic: theirs
+    reshape with B read as an int.  A logical input without a sample dim
+    ([C, H, W]) becomes [B*C, H, W], still valid: channels are independent too.
+    """
+
+    def rule(*args):
+        operands, B, level = _batch_dim_first(args)
+        with _compat.below_vmap():
+            if B is None:
+                return op(*operands)
+            # dense: adaptive_max_pool3d_backward (CPU, torch 2.13) segfaults on a
+            # stride-0 self/indices, which a flattened expand of a size-1 dim is
+            out = op(*[a.flatten(0, 1).contiguous() if isinstance(a, torch.Tensor) else a for a in operands])
+        return _compat.rewrap_batched(out.unflatten(0, (B, -1)), 0, level)
+
+    return rule
+
+
+def gelu_backward(grad_output: torch.Tensor, self: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    """functorch's rule for this pointwise op reads B as an int (tanh_backward's
+    does not).  Same layout as functorch's: the unbatched operand expanded to
+    [B, ...], which passes.sink_expands later undoes for the derivative factor.
+    (Autograd passes both operands with one shape; the op does not broadcast.)"""
+    (g, x), B, level = _batch_dim_first([grad_output, self])
+    with _compat.below_vmap():
+        out = torch.ops.aten.gelu_backward.default(g, x, approximate=approximate)
+    return out if B is None else _compat.rewrap_batched(out, 0, level)
+
+
+# (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
+_SAMPLEWISE_BACKWARDS = (
+    "avg_pool2d_backward", "avg_pool3d_backward",
+    "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward",
+    "reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
+    "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward",
+    # ... and indices, per sample and channel
+    "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+    "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward",
+)
+
+
+# Ops whose functorch rule reads B as an int, while their torch._decomp
+# decomposition batches with B symbolic (each checked by the OpInfo symbolic
+# pass) and differentiates like the op (create_graph: each checked by the
+# fuzz tests).  Inductor decomposes them the same way anyway.  Not the norm
+# backwards: their decompositions take the forward's mean/rstd as inputs, which
+# autograd does not differentiate, so a double backward through them is wrong.
+# Not diagonal_backward or diagonal_scatter: their decompositions end in
+# prims.copy_to, which AOTAutograd cannot functionalise; nor linalg_cross,
+# whose decomposition still specialises.
+_DECOMPOSED_INSTEAD = (
+    "embedding_dense_backward", "glu_backward", "binary_cross_entropy_backward",
+    "select_scatter", "slice_scatter", "pixel_shuffle", "pixel_unshuffle", "col2im",
+)
+
+
+def _per_sample_unless_first_order(op: torch._ops.OpOverload, decomposition: Callable) -> Callable:
+    """The decomposition for a first-order backward; under create_graph, where
+    autograd records this op for a double backward, vmap's own per-sample loop.
+
+    A decomposition found at run time may take inputs autograd does not
+    differentiate (batch_norm_backward: the saved mean and invstd), so its
+    double backward could be wrong; the loop is what functorch did anyway.
+    """
+
+    def rule(*args, **kwargs):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            operands, B, level = _batch_dim_first(args)
+            with _compat.below_vmap():
+                if B is None:
+                    return op(*operands, **kwargs)
+                samples = [op(*[a[i] if isinstance(a, torch.Tensor) else a for a in operands], **kwargs)
+                           for i in range(B)]
+            outs = [torch.stack(o) if o[0] is not None else None for o in zip(*samples)] \
+                if isinstance(samples[0], tuple) else [torch.stack(samples)]
+            outs = [None if o is None else _compat.rewrap_batched(o, 0, level) for o in outs]
+            return tuple(outs) if isinstance(samples[0], tuple) else outs[0]
+        return decomposition(*args, **kwargs)
+
+    return rule
+
+
+@functools.cache
+def decomposed_rules() -> dict[torch._ops.OpOverload, Callable]:
+    """Ops batched through torch._decomp's decomposition: backward ops vmap would
+    loop over (NOTE [Backward ops without a batching rule]) and _DECOMPOSED_INSTEAD."""
+    table = _compat.decomposition_table()
+    rules = {getattr(torch.ops.aten, name).default: table[getattr(torch.ops.aten, name).default]
+             for name in _DECOMPOSED_INSTEAD}
+    for op, decomposition in table.items():
+        if (
+            isinstance(op, torch._ops.OpOverload)
+            and op.namespace == "aten"
+            and "backward" in op._schema.name
+            and not op.is_view
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+            and not _compat.functorch_has_batch_rule(op)
+        ):
+            rules[op] = _per_sample_unless_first_order(op, decomposition)
+    return rules
+
+
+@functools.cache
+def all_rules() -> dict:
+    samplewise = {getattr(torch.ops.aten, name).default for name in _SAMPLEWISE_BACKWARDS}
+    return {
+        "slice_backward": slice_backward,
+        "cat": cat,
+        "gelu_backward": gelu_backward,
+        **{op: fold_batch_into_dim0(op) for op in samplewise},
+        **decomposed_rules(),
+    }
+
+
 def symbolic_batch_rules() -> contextlib.AbstractContextManager:
-    """Our rules in place of functorch's, until the context exits."""
-    return _compat.override_kernel("aten", "slice_backward", slice_backward, "FuncTorchBatched")
+    """Our rules in place of functorch's (or of its per-sample fallback), until the context exits."""
+    return _compat.override_kernels("aten", all_rules(), "FuncTorchBatched")

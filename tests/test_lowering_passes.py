@@ -1,11 +1,16 @@
-"""The passes around lowering: sink_expands (post-grad) and the symbolic slice_backward rule."""
+"""The passes around lowering: sink_expands (post-grad) and dynbatch's batching rules (batch_rules.py)."""
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 import dynbatch
+from dynbatch import batch_rules
 from dynbatch.passes import sink_expands
 from conftest import assert_same_grads
 
@@ -68,3 +73,124 @@ def test_slice_backward_override_is_scoped_to_dynbatch_compiles():
     eager = torch.autograd.grad(y, x, V, is_grads_batched=True, retain_graph=True)
     rule = dynbatch.batched_grad(y, x, V, retain_graph=True)
     assert_same_grads(rule, eager)
+
+
+def _has_batched_kernel(op: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
+
+
+def test_overrides_are_scoped_to_dynbatch_compiles():
+    no_rule = [op for op in batch_rules.decomposed_rules() if not _has_batched_kernel(op)]
+    assert aten.rrelu_with_noise_backward.default in no_rule  # no functorch rule on any supported torch
+    with batch_rules.symbolic_batch_rules():
+        assert all(_has_batched_kernel(op) for op in no_rule)
+    assert not any(_has_batched_kernel(op) for op in no_rule)  # functorch's own dispatch again
+
+
+_TARGET, _INDICES = torch.randn(4, 6), torch.tensor([[0, 2], [3, 3]])
+# name -> (input shape, layer).  Each layer's backward goes through one of dynbatch's rules.
+_LAYERS = {
+    # no functorch rule: vmap's per-sample fallback (a graph that grows with B)
+    "mish": ((4, 6), F.mish),
+    "rrelu": ((4, 6), lambda x: F.rrelu(x, training=False)),
+    "soft_margin": ((4, 6), lambda x: F.soft_margin_loss(x, _TARGET, reduction="none")),
+    "batch_norm_with_update": ((4, 6), lambda x: aten._batch_norm_with_update(  # batch_norm_backward
+        x, torch.ones(6, dtype=x.dtype), torch.zeros(6, dtype=x.dtype),
+        torch.zeros(6, dtype=x.dtype), torch.ones(6, dtype=x.dtype), 0.1, 1e-5)[0]),
+    # functorch rules that read B as an int
+    "gelu": ((4, 6), F.gelu),
+    "glu": ((4, 6), F.glu),
+    "embedding": ((4, 6), lambda w: F.embedding(_INDICES, w)),
+    "split": ((4, 6), lambda x: x.split([2, 3, 1], dim=1)[1].sin()),  # cat of batched and zeros
+    "avg_pool2d": ((2, 3, 4, 6), lambda x: F.avg_pool2d(x, 2)),
+    "max_pool2d": ((2, 3, 4, 6), lambda x: F.max_pool2d(x, 2)),
+    "adaptive_max_pool3d": ((2, 3, 4, 6), lambda x: F.adaptive_max_pool3d(x[None], (1, 2, 2))[0]),  # size-1 dim 0
+    "reflection_pad": ((2, 3, 4, 6), lambda x: F.pad(x, (1, 2, 1, 0), mode="reflect")),
+}
+
+
+@pytest.mark.parametrize("layer", list(_LAYERS))
+def test_backward_keeps_batch_size_symbolic(layer):
+    """One graph for every B >= 2, values equal eager's (which loops per sample)."""
+    shape, fn = _LAYERS[layer]
+
+    def f(x, V):
+        y = fn(x)
+        return torch.autograd.grad(y, x, V.reshape(V.shape[0], *y.shape), is_grads_batched=True)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
+                             options={"dynbatch.inner_compiler": "aot_eager"})
+    x = torch.randn(shape, requires_grad=True)
+    n_out = fn(x).numel()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")  # vmap's per-sample fallback
+        for B in (2, 3, 5, 8):
+            V = torch.randn(B, n_out)
+            assert_same_grads(compiled(x, V), f(x, V))
+    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+    assert dynbatch.counters().get("fallbacks", 0) == 0
+
+
+@pytest.mark.parametrize("layer", ["mish", "rrelu", "soft_margin", "batch_norm_with_update", "glu", "split",
+                                   "avg_pool2d", "layer_norm"])
+def test_double_backward_through_rules_matches_eager(layer):
+    """create_graph=True: autograd records the batched backward for a second
+    grad.  Found by the fuzz tests: a decomposition that takes the forward's
+    mean/rstd as inputs gave a wrong second-order grad through layer_norm."""
+    shape, fn = {**_LAYERS, "layer_norm": ((4, 6), lambda x: F.layer_norm(x, (6,)))}[layer]
+
+    def f(x, V):
+        y = fn(x)
+        (g,) = torch.autograd.grad(y, x, V.reshape(V.shape[0], *y.shape), create_graph=True, is_grads_batched=True)
+        return torch.autograd.grad((g * g).sum(), x)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
+                             options={"dynbatch.inner_compiler": "aot_eager"})
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    V = torch.randn(3, fn(x).numel(), dtype=torch.float64)
+    assert_same_grads(compiled(x, V), f(x, V))
+    assert dynbatch.counters().get("fallbacks", 0) == 0
+
+
+def _cats(b, e):
+    """cat with batched x and unbatched b / e (1-d empty: skipped by cat)."""
+    return {
+        "mixed": lambda x: torch.cat([x, b, e], 0),
+        "negative dim": lambda x: torch.cat([b[None], x[None]], -1),
+        "transposed": lambda x: torch.cat([x[:, None], x[:, None].mul(2)], 1),
+        "nested": lambda x: torch.func.vmap(lambda r: torch.cat([r, x]))(b[:, None].expand(4, 3)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cats(torch.zeros(1), torch.zeros(1))))
+def test_cat_rule_equals_functorchs(case):
+    b, e = torch.randn(4), torch.zeros(0)
+    fn = _cats(b, e)[case]
+    x = torch.randn(5, 4)
+    want = torch.func.vmap(fn)(x)
+    with batch_rules.symbolic_batch_rules():
+        got = torch.func.vmap(fn)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+_GELU_CASES = {  # in_dims, grad_output shape, self shape (B = 5)
+    "batched grad": ((0, None), (5, 3, 4), (3, 4)),
+    "batched self": ((None, 0), (3, 4), (5, 3, 4)),
+    "both, grad bdim 1": ((1, 0), (3, 5, 4), (5, 3, 4)),
+    "both": ((0, 0), (5, 3, 4), (5, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(_GELU_CASES))
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_backward_rule_equals_functorchs(case, approximate):
+    in_dims, g_shape, x_shape = _GELU_CASES[case]
+    g, x = torch.randn(g_shape), torch.randn(x_shape)
+
+    def fn(a, b):
+        return torch.ops.aten.gelu_backward(a, b, approximate=approximate)
+
+    want = torch.func.vmap(fn, in_dims=in_dims)(g, x)
+    with batch_rules.symbolic_batch_rules():
+        got = torch.func.vmap(fn, in_dims=in_dims)(g, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -60,6 +60,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch._dynamo
+from torch.testing._internal import common_methods_invocations
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -92,24 +93,8 @@ OPS_F64 = _ops(torch.float64)
 # op key -> (reason, allowed outcomes).  Found by running the sweep on torch
 # 2.13 CPU; every entry says why the op is not a plain "match".  "mismatch"
 # is never allowed.
-_HARNESS_RNG = ("OpInfo wraps this random op in torch.testing._utils.wrapper_set_seed, whose "
-                "freeze_rng_state() Dynamo cannot trace (\"Attempted to call function marked as "
-                "skipped\"): Dynamo's refusal; without fullgraph the result equals eager's")
 _GRAPH_BREAK = frozenset({"graph_break"})
 EXPECTED_FAILURES: dict[str, tuple[str, frozenset[str]]] = {
-    **{key: (_HARNESS_RNG, _GRAPH_BREAK) for key in (
-        "bernoulli", "normal", "normal/number_mean", "nn.functional.alpha_dropout", "nn.functional.dropout",
-        "nn.functional.dropout2d", "nn.functional.dropout3d",
-        "nn.functional.feature_alpha_dropout/with_train", "nn.functional.feature_alpha_dropout/without_train",
-        "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
-        "nn.functional.multi_head_attention_forward", "nn.functional.rrelu",
-        "nn.functional.scaled_dot_product_attention")},
-    **{key: (_HARNESS_RNG + ". Without fullgraph the forward is compiled by AOTAutograd and the grad runs "
-             "eagerly (Dynamo: 'autograd.grad with external grad_fn'); for a non-contiguous cotangent the "
-             "AOTAutograd backward prologue's copy_ cannot run under eager's legacy vmap "
-             "(_is_aot_legacy_vmap_error); stock backend='aot_eager' fails the same way",
-             frozenset({"graph_break", "aot_legacy_vmap"}))
-       for key in ("svd_lowrank", "pca_lowrank")},
     **{key: ("Dynamo graph-breaks on .item() in the forward ('Data dependent operator', "
              "capture_scalar_outputs=False); without fullgraph the result equals eager's", _GRAPH_BREAK)
        for key in ("corrcoef", "cov")},
@@ -169,16 +154,18 @@ SKIPS: dict[str, str] = {
 }
 
 # Ops whose batched backward guards on B, so each new B compiles again (the
-# symbolic pass's "specializes_B"; values stay right).  Found on torch 2.13
-# before dynbatch's symbolic slice_backward rule (batch_rules.py), which has
-# since freed some of them (the figures list entries a run did not need).  In
-# every first-sample case (checked by instrumenting FakeTensor's
-# aten.size.default handler) a
-# functorch batch rule reads the sizes of a tensor with a symbolic batch size
-# as plain ints (TensorImpl::size via the Python dispatcher), e.g.
-# diagonal_backward's generated plumbing in BatchRulesViews.cpp; Dynamo then
-# specialises B.  A PyTorch (functorch) limitation; dynbatch cannot avoid it
-# short of padding B.
+# symbolic pass's "specializes_B"; values stay right).  A functorch C++
+# batching rule reads the batch size as an int (int64_t, not SymInt), and
+# Dynamo then specialises B.  Found by recording, for the first sample of each
+# op, the C++ frame that converted a symbolic size to int (torch 2.13): the
+# rules for scatter/gather/index_* and the sorts (about 35 ops), conv backward (6),
+# native batch/layer/group norm backward (7), diagonal/diagonal_scatter,
+# max_unpool, grid_sampler, pixel_shuffle, embedding, glu, gelu, cross, ...;
+# and 16 ops with no rule at all and no decomposition (vmap's per-sample loop:
+# cummax/cummin, _segment_reduce, pdist, embedding_bag, masked_scatter,
+# fractional_max_pool, ...).
+# dynbatch's own rules (batch_rules.py) already replace those for
+# slice_backward, cat, pooling/padding backwards and decomposable backwards.
 SPECIALIZES_B: frozenset[str] = frozenset({
     '__getitem__', '_batch_norm_with_update', '_native_batch_norm_legit',
     '_segment_reduce/lengths', '_segment_reduce/offsets', '_upsample_bilinear2d_aa',
@@ -194,6 +181,7 @@ SPECIALIZES_B: frozenset[str] = frozenset({
     'lu', 'lu_unpack', 'masked.median', 'masked_scatter', 'masked_select', 'matrix_exp',
     'max/reduction_with_dim', 'median', 'min/reduction_with_dim', 'mode', 'msort',
     'nanmedian', 'nanquantile', 'narrow', 'narrow_copy', 'native_batch_norm',
+    'nn.functional.fractional_max_pool2d', 'nn.functional.fractional_max_pool3d',
     'native_layer_norm', 'nn.functional.adaptive_avg_pool1d',
     'nn.functional.adaptive_avg_pool2d', 'nn.functional.adaptive_avg_pool3d',
     'nn.functional.adaptive_max_pool1d', 'nn.functional.adaptive_max_pool2d',
@@ -229,6 +217,25 @@ DEFAULT_TOL = {torch.float32: (1.3e-5, 1e-5), torch.float64: (1e-7, 1e-7)}
 
 
 # --- building a case ----------------------------------------------------------
+
+def _call_unfrozen(op: Callable, *args: Any, **kwargs: Any) -> Any:
+    return op(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _random_ops_without_frozen_rng():
+    """OpInfo calls its random ops (dropout, bernoulli, rrelu, ...) through
+    ``wrapper_set_seed``, which reseeds inside ``freeze_rng_state()``, a function
+    Dynamo refuses to trace.  Its purpose, the same draws in every run, is
+    served here by ``torch.manual_seed(0)`` before each eager and compiled run,
+    so call the op directly: then the compiled forward is the user's program
+    and must draw the eager forward's numbers (with ``aot_eager`` it does) for
+    its grads to match the loop, which differentiates the eager forward."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(common_methods_invocations, "wrapper_set_seed", _call_unfrozen)
+    yield
+    mp.undo()
+
 
 @dataclasses.dataclass
 class Case:
