@@ -22,7 +22,9 @@ graph that grows with B, and B read as an int).  ``torch._decomp`` writes each
 of them in ops that do have rules, so dynbatch makes the decomposition their
 batching rule, as functorch itself does for ``mse_loss_backward`` and a few
 others (``lazy_load_decompositions``).  The set is found at run time, so an op
-that gains a functorch rule in a later torch keeps it.
+that gains a functorch rule in a later torch keeps it; for the same reason
+the decomposition is used for first-order backwards only (see
+``_per_sample_unless_first_order``).
 
 The overrides are registered only for the length of a dynbatch compile (the
 capture scope), so code outside dynbatch sees functorch unchanged.
@@ -135,6 +137,29 @@ def gelu_backward(grad_output: torch.Tensor, self: torch.Tensor, *, approximate:
     return out if B is None else _compat.rewrap_batched(out, 0, level)
 
 
+def cdist_backward(grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: float, cdist: torch.Tensor):
+    """functorch's rule returns wrong values when the grad alone is batched (torch
+    2.13: off by up to 200 against a loop of ``autograd.grad`` for every p but 0
+    with inputs that have batch dims, and for p=1 without).  torch.cdist calls
+    the op with at most one batch dim ([batch, P, M]), so B is folded into it
+    (the meta function mis-broadcasts two); the kernel wants dense inputs."""
+    operands, B, level = _batch_dim_first([grad, x1, x2, cdist])
+    if B is None:
+        with _compat.below_vmap():
+            return torch.ops.aten._cdist_backward.default(*operands[:3], p, operands[3])
+    # x1 and x2 may come with different batch dims (cdist broadcasts them)
+    batch = tuple(torch.broadcast_shapes(*(t.shape[1:-2] for t in operands)))
+
+    def folded(t: torch.Tensor) -> torch.Tensor:
+        t = t[(slice(None),) + (None,) * (len(batch) + 3 - t.dim())]  # [B, 1.., *t's batch, r, c]
+        return t.expand(B, *batch, *t.shape[-2:]).flatten(0, len(batch)).contiguous()
+
+    g, a, b, d = (folded(t) for t in operands)
+    with _compat.below_vmap():
+        out = torch.ops.aten._cdist_backward.default(g, a, b, p, d)
+    return _compat.rewrap_batched(out.unflatten(0, (B, *batch)), 0, level)
+
+
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
 _SAMPLEWISE_BACKWARDS = (
     "avg_pool2d_backward", "avg_pool3d_backward",
@@ -149,8 +174,10 @@ _SAMPLEWISE_BACKWARDS = (
 
 # Ops whose functorch rule reads B as an int, while their torch._decomp
 # decomposition batches with B symbolic (each checked by the OpInfo symbolic
-# pass) and differentiates like the op (create_graph: each checked by the
-# fuzz tests).  Inductor decomposes them the same way anyway.  Not the norm
+# pass) and differentiates like the op under create_graph: all its tensor
+# inputs are differentiable ones (glu and binary_cross_entropy are tested in
+# tests/test_lowering_passes.py; the rest are linear in them).  Inductor
+# decomposes them the same way anyway.  Not the norm
 # backwards: their decompositions take the forward's mean/rstd as inputs, which
 # autograd does not differentiate, so a double backward through them is wrong.
 # Not diagonal_backward or diagonal_scatter: their decompositions end in
@@ -215,6 +242,7 @@ def all_rules() -> dict:
         "slice_backward": slice_backward,
         "cat": cat,
         "gelu_backward": gelu_backward,
+        "_cdist_backward": cdist_backward,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

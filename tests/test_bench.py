@@ -81,9 +81,11 @@ def test_symbolic_batch_reuses_the_graph_on_the_sweep(quick_run):
 def test_markdown_shows_ratios_and_notes(quick_run):
     out, results = quick_run
     md = (out / "results.md").read_text()
-    for heading in ("Steady-state time", "First call", "Peak memory", "Graphs compiled", "Max abs error"):
+    for heading in ("Summary: dynbatch per case", "Steady-state time", "First call", "Peak memory",
+                    "Graphs compiled", "Max abs error"):
         assert heading in md
     assert "dynbatch / eager_batched" in md and "dynbatch / best other" in md and "dynbatch / floor" in md
+    assert "/ best torch column" in md
     for problem in results["problems"]:
         assert f"| {problem['problem']} |" in md
     if not results["meta"]["jax"]:

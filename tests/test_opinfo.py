@@ -145,6 +145,9 @@ EXPECTED_FAILURES: dict[str, tuple[str, frozenset[str]]] = {
 TOLERANCES: dict[str, tuple[float, float]] = {
     "nn.functional.layer_norm": (1.3e-5, 1e-3),
     "native_layer_norm": (1.3e-5, 1e-3),
+    # grad of tensor2 is -v * value * tensor1 / tensor2**2: float32 rounding of the
+    # batched kernel and the loop differ by up to 1e-4 relative (float64 matches)
+    "addcdiv": (2e-4, 1e-4),
 }
 
 # Ops whose samples cannot be compared with the loop at all.

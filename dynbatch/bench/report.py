@@ -41,10 +41,12 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def best_other(case: dict[str, Any], key: str, usable=lambda cell: True) -> tuple[str | None, float | None]:
-    """The column other than dynbatch with the smallest ``key`` figure."""
+def best_other(case: dict[str, Any], key: str, usable=lambda cell: True,
+               exclude: tuple[str, ...] = ()) -> tuple[str | None, float | None]:
+    """The column other than dynbatch (and ``exclude``) with the smallest ``key`` figure."""
     figures = [(cell[key], name) for name, cell in case["variants"].items()
-               if name != OURS and ok(cell) and cell.get(key) is not None and usable(cell)]
+               if name != OURS and name not in exclude and ok(cell) and cell.get(key) is not None
+               and usable(cell)]
     if not figures:
         return None, None
     value, name = min(figures)
@@ -110,6 +112,25 @@ def _case_cells(problem, case, cols, notes, render: Callable[[dict, str], str]) 
         else:
             out.append(render(case, v))
     return out
+
+
+def summary_table(results) -> str:
+    """dynbatch's time per case and its ratios, including to the best torch column
+    (JAX is another framework: its lead says less about what dynbatch could reach)."""
+    body = []
+    for problem, case in rows(results):
+        ours = figure(case, OURS, "median_s")
+        if ours is None:
+            continue
+        base = figure(case, REFERENCE, "median_s")
+        floor = case.get("floor", {}).get("median_s")
+        cells = [problem["problem"], case["label"], fmt(ours, 1e3), fmt_ratio(ratio(ours, base))]
+        for exclude in ((), ("jax",)):
+            other, value = best_other(case, "median_s", exclude=exclude)
+            cells.append(f"{fmt_ratio(ratio(ours, value))} ({other})" if other else "–")
+        body.append(cells + [fmt_ratio(ratio(ours, floor))])
+    return table(["problem", "case", "dynbatch ms", "/ eager_batched", "/ best other column",
+                  "/ best torch column", "/ floor"], body)
 
 
 def time_table(results, notes: Footnotes) -> str:
@@ -199,6 +220,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"{meta['date_utc']} on **{meta['device_name']}** ({meta['device']}, {meta['torch_threads']} torch threads); "
         f"torch {meta['torch']}, dynbatch {meta['dynbatch']}, Python {meta['python']}; size tier `{meta['tier']}`, "
         f"{meta['dtype']}. {jax_line}. Compile caches: {'cold (empty Inductor/Triton cache folders)' if meta['cold_compile_cache'] else 'warm (the user caches)'}.",
+        "## Summary: dynbatch per case",
+        "dynbatch's median time per call and its ratios (below 1: dynbatch is faster).",
+        summary_table(results),
         "## Steady-state time per call",
         "Median over repeated calls, ± interquartile range, in ms; ×ratio to `eager_batched`. "
         "`dynbatch / best other` names the fastest other column; `floor` is the matrix products any "
