@@ -52,7 +52,7 @@ def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, i
     if not sizes:
         return [v for v, _ in values], None, level
     B = sizes[0]
-    return [v.movedim(bdim, 0) if bdim is not None
+    return [v if bdim == 0 else v.movedim(bdim, 0) if bdim is not None  # no identity permute in the graph
             else v.expand(B, *v.shape) if isinstance(v, torch.Tensor) else v
             for v, bdim in values], B, level
 
