@@ -121,8 +121,10 @@ EXPECTED_FAILURES: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({"stock_compile_fails"})),
     "masked_select": (
         "a mask broadcast to more elements than the input: the forward alone fails under stock "
-        "torch.compile(backend='aot_eager') with a wrong runtime assertion (u0 <= input numel)",
-        frozenset({"stock_compile_fails"})),
+        "torch.compile(backend='aot_eager') with a wrong runtime assertion (u0 <= input numel); "
+        "and for a 0-d input under a [10, 10] mask functorch's masked_select_backward rule raises "
+        "a shape error while tracing: dynbatch falls back, eager's values",
+        frozenset({"stock_compile_fails", "fallback"})),
     "as_strided_scatter": (
         "PyTorch's as_strided_scatter backward disagrees with itself: for the size-()/stride-() sample "
         "the per-sample loop gives a grad that ignores the cotangent, while eager is_grads_batched and "
@@ -148,6 +150,10 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     # grad of tensor2 is -v * value * tensor1 / tensor2**2: float32 rounding of the
     # batched kernel and the loop differ by up to 1e-4 relative (float64 matches)
     "addcdiv": (2e-4, 1e-4),
+    # weight grads reduce over batch and volume: the batched and per-sample kernels
+    # sum in another order (float32: 1 element in a few hundred off by ~3e-5; float64 matches)
+    "nn.functional.conv3d": (1e-4, 5e-5),
+    "nn.functional.conv_transpose3d": (1e-4, 5e-5),
 }
 
 # Ops whose samples cannot be compared with the loop at all.
@@ -158,60 +164,43 @@ SKIPS: dict[str, str] = {
 
 # Ops whose batched backward guards on B, so each new B compiles again (the
 # symbolic pass's "specializes_B"; values stay right).  A functorch C++
-# batching rule reads the batch size as an int (int64_t, not SymInt), and
-# Dynamo then specialises B.  Found by recording, for the first sample of each
-# op, the C++ frame that converted a symbolic size to int (torch 2.13): the
-# rules for scatter/gather/index_* and the sorts (about 35 ops), conv backward (6),
-# native batch/layer/group norm backward (7), diagonal/diagonal_scatter,
-# max_unpool, grid_sampler, pixel_shuffle, embedding, glu, gelu, cross, ...;
-# and 16 ops with no rule at all and no decomposition (vmap's per-sample loop:
-# cummax/cummin, _segment_reduce, pdist, embedding_bag, masked_scatter,
-# fractional_max_pool, ...).
-# dynbatch's own rules (batch_rules.py) already replace those for
-# slice_backward, cat, pooling/padding backwards and decomposable backwards.
+# batching rule holds the batch size in an int64_t, and Dynamo then
+# specialises B.  Found by recording, for each op, the C++ frame that turned a
+# symbolic size into an int (torch 2.13): the rules for scatter/gather/index_*
+# and the sorts, conv backward, native batch/layer/group norm backward,
+# diagonal/diagonal_scatter, max_unpool, grid_sampler, cross, ...; and ops with
+# no rule and no usable decomposition, which vmap runs once per sample
+# (cummax/cummin, _segment_reduce, pdist, masked_scatter, fractional_max_pool,
+# ...).  dynbatch's own rules (batch_rules.py) free slice_backward, cat
+# (split/chunk), gelu, glu, embedding, pixel_shuffle, the pooling and padding
+# backwards and the decomposable no-rule backwards (mish, rrelu, ...).
+# Pruned to the ops that specialise in the first 3 samples (slow symbolic pass).
 SPECIALIZES_B: frozenset[str] = frozenset({
-    '__getitem__', '_batch_norm_with_update', '_native_batch_norm_legit',
-    '_segment_reduce/lengths', '_segment_reduce/offsets', '_upsample_bilinear2d_aa',
-    'chunk', 'combinations', 'cross', 'cummax', 'cummin', 'cumulative_trapezoid', 'diag',
-    'diagonal', 'diagonal_copy', 'diagonal_scatter', 'diff', 'dsplit', 'fft.fft2',
-    'fft.fftn', 'fft.hfft', 'fft.hfft2', 'fft.hfftn', 'fft.ifft2', 'fft.ifftn',
-    'fft.ihfft2', 'fft.ihfftn', 'fft.irfft', 'fft.irfft2', 'fft.irfftn', 'fft.rfft2',
-    'fft.rfftn', 'gather', 'gradient', 'grid_sampler_2d', 'grid_sampler_3d', 'hsplit',
-    'index_add', 'index_copy', 'index_reduce/amax', 'index_reduce/amin',
-    'index_reduce/mean', 'index_reduce/prod', 'index_select', 'kthvalue', 'linalg.cond',
-    'linalg.cross', 'linalg.diagonal', 'linalg.eig', 'linalg.eigh', 'linalg.eigvals',
-    'linalg.householder_product', 'linalg.lu', 'linalg.lu_factor', 'linalg.lu_factor_ex',
-    'lu', 'lu_unpack', 'masked.median', 'masked_scatter', 'masked_select', 'matrix_exp',
-    'max/reduction_with_dim', 'median', 'min/reduction_with_dim', 'mode', 'msort',
-    'nanmedian', 'nanquantile', 'narrow', 'narrow_copy', 'native_batch_norm',
-    'nn.functional.fractional_max_pool2d', 'nn.functional.fractional_max_pool3d',
-    'native_layer_norm', 'nn.functional.adaptive_avg_pool1d',
-    'nn.functional.adaptive_avg_pool2d', 'nn.functional.adaptive_avg_pool3d',
-    'nn.functional.adaptive_max_pool1d', 'nn.functional.adaptive_max_pool2d',
-    'nn.functional.adaptive_max_pool3d', 'nn.functional.avg_pool1d',
-    'nn.functional.avg_pool2d', 'nn.functional.avg_pool3d', 'nn.functional.batch_norm',
-    'nn.functional.bilinear', 'nn.functional.binary_cross_entropy',
-    'nn.functional.channel_shuffle', 'nn.functional.conv1d', 'nn.functional.conv2d',
-    'nn.functional.conv3d', 'nn.functional.conv_transpose1d',
+    '_native_batch_norm_legit', '_segment_reduce/lengths', '_segment_reduce/offsets',
+    '_upsample_bilinear2d_aa', 'combinations', 'cross', 'cummax', 'cummin', 'diag',
+    'diagonal', 'diagonal_copy', 'diagonal_scatter', 'fft.ihfft2', 'fft.ihfftn',
+    'gather', 'grid_sampler_2d', 'grid_sampler_3d', 'index_add', 'index_copy',
+    'index_reduce/amax', 'index_reduce/amin', 'index_reduce/mean', 'index_reduce/prod',
+    'index_select', 'kthvalue', 'linalg.cross', 'linalg.diagonal', 'linalg.eig',
+    'linalg.eigh', 'linalg.eigvals', 'linalg.householder_product', 'masked.median',
+    'masked_scatter', 'masked_select', 'max/reduction_with_dim', 'median',
+    'min/reduction_with_dim', 'mode', 'msort', 'nanmedian', 'nanquantile',
+    'native_batch_norm', 'native_layer_norm', 'nn.functional.batch_norm',
+    'nn.functional.bilinear', 'nn.functional.channel_shuffle', 'nn.functional.conv1d',
+    'nn.functional.conv2d', 'nn.functional.conv3d', 'nn.functional.conv_transpose1d',
     'nn.functional.conv_transpose2d', 'nn.functional.conv_transpose3d',
-    'nn.functional.embedding', 'nn.functional.embedding_bag', 'nn.functional.gelu',
-    'nn.functional.glu', 'nn.functional.grid_sample', 'nn.functional.group_norm',
-    'nn.functional.instance_norm', 'nn.functional.interpolate/area',
-    'nn.functional.layer_norm', 'nn.functional.local_response_norm',
-    'nn.functional.max_pool1d', 'nn.functional.max_pool2d', 'nn.functional.max_pool3d',
-    'nn.functional.max_unpool1d', 'nn.functional.max_unpool1d/grad',
-    'nn.functional.max_unpool2d', 'nn.functional.max_unpool2d/grad',
-    'nn.functional.max_unpool3d', 'nn.functional.max_unpool3d/grad', 'nn.functional.mish',
-    'nn.functional.multi_margin_loss', 'nn.functional.multilabel_margin_loss',
-    'nn.functional.pad/circular', 'nn.functional.pad/reflect',
-    'nn.functional.pad/replicate', 'nn.functional.pad/replicate_negative',
-    'nn.functional.pdist', 'nn.functional.pixel_shuffle', 'nn.functional.pixel_unshuffle',
-    'nn.functional.soft_margin_loss', 'nn.functional.unfold', 'ormqr', 'put', 'quantile',
-    'scatter', 'scatter_add', 'scatter_reduce/amax', 'scatter_reduce/amin',
-    'scatter_reduce/mean', 'scatter_reduce/prod', 'scatter_reduce/sum', 'select_scatter',
-    'slice', 'slice_scatter', 'sort', 'split', 'split/list_args', 'split_with_sizes',
-    'split_with_sizes_copy', 'stft', 'take', 'take_along_dim', 'tensor_split', 'topk',
-    'trapezoid', 'trapz', 'unfold', 'unfold_copy', 'unsafe_chunk', 'unsafe_split', 'vsplit'
+    'nn.functional.embedding_bag', 'nn.functional.fractional_max_pool2d',
+    'nn.functional.fractional_max_pool3d', 'nn.functional.grid_sample',
+    'nn.functional.group_norm', 'nn.functional.instance_norm',
+    'nn.functional.layer_norm', 'nn.functional.max_unpool1d',
+    'nn.functional.max_unpool1d/grad', 'nn.functional.max_unpool2d',
+    'nn.functional.max_unpool2d/grad', 'nn.functional.max_unpool3d',
+    'nn.functional.max_unpool3d/grad', 'nn.functional.multi_margin_loss',
+    'nn.functional.multilabel_margin_loss', 'nn.functional.pad/circular',
+    'nn.functional.pdist', 'ormqr', 'put', 'quantile', 'scatter', 'scatter_add',
+    'scatter_reduce/amax', 'scatter_reduce/amin', 'scatter_reduce/mean',
+    'scatter_reduce/prod', 'scatter_reduce/sum', 'sort', 'take', 'take_along_dim',
+    'topk', 'unfold', 'unfold_copy'
 })
 
 # (rtol, atol).  float32: 10x assert_close's rtol, since a batched kernel may
