@@ -160,6 +160,23 @@ def cdist_backward(grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: fl
     return _compat.rewrap_batched(out.unflatten(0, (B, *batch)), 0, level)
 
 
+def roll(self: torch.Tensor, shifts, dims=()) -> torch.Tensor:
+    """functorch's rule rolls a 0-d sample across the batch (torch 2.13: the batched
+    grad of ``torch.roll`` of a 0-d tensor is the cotangents rotated, not equal to
+    them).  Without ``dims`` roll works on each sample flattened."""
+    (x,), B, level = _batch_dim_first([self])
+    with _compat.below_vmap():
+        if B is None:
+            return torch.ops.aten.roll.default(x, shifts, dims)
+        if len(dims) == 0:
+            flat = x.flatten(1) if x.dim() > 1 else x[:, None]  # [B, numel of a sample]
+            out = flat.roll(shifts, 1).reshape(x.shape)
+        else:
+            rank = max(x.dim() - 1, 1)
+            out = torch.ops.aten.roll.default(x, shifts, [d % rank + 1 for d in dims])
+    return _compat.rewrap_batched(out, 0, level)
+
+
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
 _SAMPLEWISE_BACKWARDS = (
     "avg_pool2d_backward", "avg_pool3d_backward",
@@ -243,6 +260,7 @@ def all_rules() -> dict:
         "cat": cat,
         "gelu_backward": gelu_backward,
         "_cdist_backward": cdist_backward,
+        "roll": roll,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

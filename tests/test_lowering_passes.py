@@ -215,3 +215,19 @@ def test_cdist_backward_matches_the_loop(p, shapes):
     V = torch.randn(3, *torch.cdist(x1, x2).shape, dtype=torch.float64)
     assert_same_grads(compiled(x1, x2, V), loop_grads(torch.cdist(x1, x2, p=p), [x1, x2], [V]))
     assert dynbatch.counters()["grads_batched"] == 1 and dynbatch.counters().get("fallbacks", 0) == 0
+
+
+@pytest.mark.parametrize("shape,shifts,dims", [((), 10, ()), ((3, 4), 2, ()), ((3, 4), (1, -1), (0, 1)),
+                                               ((2, 3, 4), 5, (-1,))])
+def test_roll_backward_matches_the_loop(shape, shifts, dims):
+    """functorch's roll rule rolled a 0-d sample across the batch: the batched grad of
+    torch.roll of a 0-d tensor came out rotated (found by the all-samples OpInfo sweep)."""
+    def f(x, V):
+        return torch.autograd.grad(torch.roll(x, shifts, dims), x, V, is_grads_batched=True)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
+                             options={"dynbatch.inner_compiler": "aot_eager"})
+    x = torch.randn(shape, requires_grad=True)
+    V = torch.randn(3, *shape)
+    assert_same_grads(compiled(x, V), loop_grads(torch.roll(x, shifts, dims), [x], [V]))
+    assert dynbatch.counters()["grads_batched"] == 1
