@@ -223,10 +223,10 @@ def _per_sample_unless_first_order(op: torch._ops.OpOverload, decomposition: Cal
                     return op(*operands, **kwargs)
                 samples = [op(*[a[i] if isinstance(a, torch.Tensor) else a for a in operands], **kwargs)
                            for i in range(B)]
-            outs = [torch.stack(o) if o[0] is not None else None for o in zip(*samples)] \
-                if isinstance(samples[0], tuple) else [torch.stack(samples)]
-            outs = [None if o is None else _compat.rewrap_batched(o, 0, level) for o in outs]
-            return tuple(outs) if isinstance(samples[0], tuple) else outs[0]
+            single = not isinstance(samples[0], tuple)
+            outs = [None if column[0] is None else _compat.rewrap_batched(torch.stack(column), 0, level)
+                    for column in ([samples] if single else zip(*samples))]
+            return outs[0] if single else tuple(outs)
         return decomposition(*args, **kwargs)
 
     return rule
@@ -237,8 +237,8 @@ def decomposed_rules() -> dict[torch._ops.OpOverload, Callable]:
     """Ops batched through torch._decomp's decomposition: backward ops vmap would
     loop over (NOTE [Backward ops without a batching rule]) and _DECOMPOSED_INSTEAD."""
     table = _compat.decomposition_table()
-    rules = {getattr(torch.ops.aten, name).default: table[getattr(torch.ops.aten, name).default]
-             for name in _DECOMPOSED_INSTEAD}
+    instead = [getattr(torch.ops.aten, name).default for name in _DECOMPOSED_INSTEAD]
+    rules = {op: table[op] for op in instead}
     for op, decomposition in table.items():
         if (
             isinstance(op, torch._ops.OpOverload)

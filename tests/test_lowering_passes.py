@@ -65,8 +65,8 @@ def test_sliced_hessian_keeps_batch_size_symbolic():
     assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
 
 
-def test_slice_backward_override_is_scoped_to_dynbatch_compiles():
-    # Outside a dynbatch compile functorch's own rule runs; results agree anyway.
+def test_batched_grad_through_a_slice_outside_dynbatch_compiles():
+    # Outside a dynbatch compile functorch's own slice_backward rule runs; results agree anyway.
     x = torch.randn(6, requires_grad=True)
     y = x[1:4].sin()
     V = torch.randn(3, 3)
