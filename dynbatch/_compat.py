@@ -284,6 +284,35 @@ def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_
     )
 
 
+@contextlib.contextmanager
+def inductor_lowerings(wrappers: dict) -> Iterator[None]:
+    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)``
+    for the length of the block (one graph's lowering)."""
+    from torch._inductor import lowering
+
+    saved = {op: lowering.lowerings[op] for op in wrappers}
+    try:
+        for op, wrap in wrappers.items():
+            lowering.lowerings[op] = wrap(op, saved[op])
+        yield
+    finally:
+        lowering.lowerings.update(saved)
+
+
+def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
+    """Inductor's lowering that calls the aten kernel (an extern call)."""
+    from torch._inductor import lowering
+
+    return lowering.fallback_handler(op, add_to_fallback_set=False)
+
+
+def is_symbolic(size: Any) -> bool:
+    """An Inductor IR size (sympy) or a SymInt that is not a plain number."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr.free_symbols != set()
+    return bool(getattr(size, "free_symbols", None))
+
+
 def custom_graph_pass_base() -> type:
     """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
     from torch._inductor.custom_graph_pass import CustomGraphPass

@@ -177,6 +177,118 @@ def roll(self: torch.Tensor, shifts, dims=()) -> torch.Tensor:
     return _compat.rewrap_batched(out, 0, level)
 
 
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """functorch's rule (JAX's) reads B as an int; the double backward of a
+    convolution calls it with batched operands.  A batched input alone is
+    folded into N; anything else is B convolutions run as one with B times the
+    groups (``_fold_into_groups``)."""
+    level = _compat.current_vmap_level()
+    (x, x_bdim), (w, w_bdim) = (_compat.unwrap_at(t, level) for t in (input, weight))
+    b, b_bdim = _compat.unwrap_at(bias, level) if bias is not None else (None, None)
+    args = (stride, padding, dilation, transposed, output_padding)
+    with _compat.below_vmap():
+        if x_bdim is None and w_bdim is None and b_bdim is None:
+            return torch.ops.aten.convolution.default(x, w, b, *args, groups)
+        if w_bdim is None and b_bdim is None:
+            x = x.movedim(x_bdim, 0)
+            out = torch.ops.aten.convolution.default(x.flatten(0, 1), w, b, *args, groups).unflatten(0, x.shape[:2])
+        else:
+            (x, w, *b), B, _ = _batch_dim_first([input, weight] + ([bias] if bias is not None else []))
+            x_, w_ = _fold_into_groups(x, w)
+            out = torch.ops.aten.convolution.default(
+                x_, w_, b[0].flatten() if b else None, *args, groups * B)
+            out = _batch_first_dense(out.unflatten(1, (B, -1)), 1)
+    return _compat.rewrap_batched(out, 0, level)
+
+
+def _batch_first_dense(t: torch.Tensor, bdim: int) -> torch.Tensor:
+    """B moved to the front and copied there: a batched tensor whose per-sample
+    strides involve B has symbolic strides, and C++ code that reads ``sizes()``
+    of it (``_convolution_double_backward`` does) raises under a symbolic B."""
+    return t.movedim(bdim, 0).contiguous()
+
+
+def _fold_into_groups(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N, C, ...] and [B, *weight] as one convolution with B times the
+    groups: channels [N, (B C), ...] and weight [(B dim0), ...], since dim 0
+    is the grouped dim of a weight, transposed or not."""
+    return x.movedim(0, 1).flatten(1, 2), w.flatten(0, 1)
+
+
+def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+                         transposed, output_padding, groups, output_mask):
+    """functorch's rule reads B as an int in every branch, so any batched
+    backward through a convolution recompiled for each new B.  Same layouts as
+    functorch's, with B symbolic: see ``_conv_backward_cotangent_batched`` and
+    ``_conv_backward_folded_into_groups``."""
+    level = _compat.current_vmap_level()
+    (go, go_bdim), (x, x_bdim), (w, w_bdim) = (_compat.unwrap_at(t, level) for t in (grad_output, input, weight))
+    args = (stride, padding, dilation, transposed, output_padding, groups)
+    with _compat.below_vmap():
+        if go_bdim is None and x_bdim is None and w_bdim is None:
+            return torch.ops.aten.convolution_backward.default(go, x, w, bias_sizes, *args, output_mask)
+        if x_bdim is None and w_bdim is None:
+            # the first-order case: only the cotangents carry B
+            grads = _conv_backward_cotangent_batched(go.movedim(go_bdim, 0), x, w, args, output_mask)
+        else:
+            # a double backward: input or weight batched too
+            (go, x, w), _, _ = _batch_dim_first([grad_output, input, weight])
+            grads = _conv_backward_folded_into_groups(go, x, w, args, output_mask)
+    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level) for g in grads)
+
+
+def _conv_backward(go, x, w, args, mask):
+    return torch.ops.aten.convolution_backward.default(go, x, w, None, *args, mask)
+
+
+def _dummy(t: torch.Tensor, shape) -> torch.Tensor:
+    """A stand-in for an operand whose values the masked-out grad would need:
+    the backward reads only its shape (functorch's ``make_dummy``)."""
+    return t.new_empty(()).expand(shape)
+
+
+def _bias_grad(go: torch.Tensor, mask) -> torch.Tensor | None:
+    # [B, N, C, *spatial] -> [B, C]
+    return go.sum([1, *range(3, go.dim())]) if mask[2] else None
+
+
+def _conv_backward_cotangent_batched(go, x, w, args, mask):
+    """go [B, N, O, ...]; x, w unbatched.  The input grad is linear in go and
+    independent per sample: fold B into N.  The weight grad sums over N, so
+    B goes into the output channels, per group: [N, (G B O/G), ...] against
+    a weight with B times the output channels (groups unchanged)."""
+    B, N = go.shape[:2]
+    transposed, groups = args[3], args[5]
+    grad_input = grad_weight = None
+    if mask[0]:
+        grad_input = _conv_backward(go.flatten(0, 1), _dummy(x, (B * N, *x.shape[1:])), w, args,
+                                    [True, False, False])[0].unflatten(0, (B, N))
+    if mask[1]:
+        go_ = go.unflatten(2, (groups, -1)).movedim(0, 2).flatten(1, 3)  # [N, G*B*O/G, ...]
+        if transposed:  # weight [I, O/G, ...]
+            dummy = _dummy(w, (w.shape[0], B * w.shape[1], *w.shape[2:]))
+            grad_weight = _conv_backward(go_, x, dummy, args, [False, True, False])[1]
+            grad_weight = _batch_first_dense(grad_weight.unflatten(1, (B, -1)), 1)
+        else:  # weight [O, I/G, ...]
+            dummy = _dummy(w, (B * w.shape[0], *w.shape[1:]))
+            grad_weight = _conv_backward(go_, x, dummy, args, [False, True, False])[1]
+            grad_weight = grad_weight.unflatten(0, (groups, B, -1)).transpose(0, 1).flatten(1, 2)
+    return grad_input, grad_weight, _bias_grad(go, mask)
+
+
+def _conv_backward_folded_into_groups(go, x, w, args, mask):
+    """All three operands [B, ...]: one backward with B times the groups."""
+    B = go.shape[0]
+    x_, w_ = _fold_into_groups(x, w)
+    grad_input, grad_weight, _ = _conv_backward(
+        go.movedim(0, 1).flatten(1, 2), x_, w_, (*args[:5], args[5] * B), [mask[0], mask[1], False])
+    if grad_input is not None:
+        grad_input = _batch_first_dense(grad_input.unflatten(1, (B, -1)), 1)
+    if grad_weight is not None:
+        grad_weight = grad_weight.unflatten(0, (B, -1))
+    return grad_input, grad_weight, _bias_grad(go, mask)
+
+
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
 _SAMPLEWISE_BACKWARDS = (
     "avg_pool2d_backward", "avg_pool3d_backward",
@@ -261,6 +373,8 @@ def all_rules() -> dict:
         "gelu_backward": gelu_backward,
         "_cdist_backward": cdist_backward,
         "roll": roll,
+        "convolution": convolution,
+        "convolution_backward": convolution_backward,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

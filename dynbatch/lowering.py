@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx
 
 from . import _compat, passes
@@ -42,7 +43,8 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
         _remember(aten_gm, record, title, options.record_graphs)
-        return inner(aten_gm, aten_inputs, **kwargs)
+        with _compat.inductor_lowerings(_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT):
+            return inner(aten_gm, aten_inputs, **kwargs)
 
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
@@ -55,6 +57,38 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
         inner_compile=recording_inner_compile,
         config_patches=config_patches,
     )
+
+
+def _extern_when_weight_is_symbolic(weight: int, groups: int) -> Callable:
+    """Inductor's lowerings of ``convolution`` and ``convolution_backward`` read
+    the weight's sizes and the groups as ints (guard_int_seq), for its Triton
+    templates.  The batching rules fold B into exactly those to batch a weight
+    grad (batch_rules.convolution_backward), so the lowering would specialise B
+    and every new B would compile again.  There, call the aten kernel as an
+    extern call instead, which takes symbolic sizes, as Inductor's own fallback
+    for these ops does; other convolutions keep Inductor's lowering."""
+
+    def wrap(op: torch._ops.OpOverload, lowering: Callable) -> Callable:
+        extern = _compat.inductor_fallback(op)
+
+        names = [a.name for a in op._schema.arguments]
+
+        def lower_convolution(*args, **kwargs):
+            w, g = (args[i] if i < len(args) else kwargs[names[i]] for i in (weight, groups))
+            if _compat.is_symbolic(g) or any(map(_compat.is_symbolic, w.get_size())):
+                return extern(*args, **kwargs)
+            return lowering(*args, **kwargs)
+
+        return lower_convolution
+
+    return wrap
+
+
+# op -> wrapper of its lowering, given where the op's schema puts weight and groups
+_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT = {
+    torch.ops.aten.convolution.default: _extern_when_weight_is_symbolic(1, 8),
+    torch.ops.aten.convolution_backward.default: _extern_when_weight_is_symbolic(2, 9),
+}
 
 
 def _lower_with_aot_eager(gm, example_inputs, options: Options, record: CompileRecord):

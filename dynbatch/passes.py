@@ -64,4 +64,6 @@ class SinkExpands(_compat.custom_graph_pass_base()):
         self.count = sink_expands(graph)
 
     def uuid(self) -> str:
-        return "dynbatch-sink-expands-v2"
+        # also keys lowering.py's choice of extern convolutions, which Inductor's
+        # FX graph cache would not see otherwise
+        return "dynbatch-sink-expands-v2+extern-convolutions-v1"

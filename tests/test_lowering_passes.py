@@ -231,3 +231,81 @@ def test_roll_backward_matches_the_loop(shape, shifts, dims):
     V = torch.randn(3, *shape)
     assert_same_grads(compiled(x, V), loop_grads(torch.roll(x, shifts, dims), [x], [V]))
     assert dynbatch.counters()["grads_batched"] == 1
+
+
+# (spatial dims, transposed, groups, stride, dilation, padding, bias)
+_CONVS = [
+    (1, False, 1, 1, 1, 0, True),
+    (2, False, 2, 2, 1, 1, True),
+    (2, True, 1, 1, 1, 1, False),
+    (2, True, 2, 2, 2, 0, True),
+    (3, False, 1, 1, 2, 1, False),
+    (3, True, 2, 1, 1, 0, True),
+]
+
+
+def _conv_case(dim, transposed, groups, stride, dilation, padding, bias, dtype=torch.float64):
+    n, c_in, c_out, size = 2, 4, 6, 8 if dim < 3 else 6
+    x = torch.randn(n, c_in, *[size] * dim, dtype=dtype, requires_grad=True)
+    w_shape = (c_in, c_out // groups) if transposed else (c_out, c_in // groups)
+    w = torch.randn(*w_shape, *[3] * dim, dtype=dtype, requires_grad=True)
+    b = torch.randn(c_out, dtype=dtype, requires_grad=True) if bias else None
+    conv = getattr(F, f"conv_transpose{dim}d" if transposed else f"conv{dim}d")
+
+    def layer(x, w, b):
+        return conv(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+    return layer, [t for t in (x, w, b) if t is not None]
+
+
+@pytest.mark.parametrize("config", _CONVS, ids=lambda c: "conv{}d{}-g{}-s{}-d{}-p{}{}".format(
+    c[0], "T" if c[1] else "", c[2], c[3], c[4], c[5], "-bias" if c[6] else ""))
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_convolution_rules_match_the_loop_with_one_graph_for_every_B(config, order):
+    """functorch's convolution and convolution_backward rules read B as an int,
+    so every new B compiled again.  First order: only the cotangents carry B.
+    Second order (a grad of the input grad, create_graph): the double backward
+    convolves batched inputs or weights, folded into the groups."""
+    layer, primals = _conv_case(*config)
+
+    def f(*args):
+        *ps, V = args
+        y = layer(*ps) if len(ps) == 3 else layer(ps[0], ps[1], None)
+        if order == "second":
+            (y,) = torch.autograd.grad((y * y).sum(), ps[:2], create_graph=True)[1:]  # the weight grad
+        return torch.autograd.grad(y, ps, V, is_grads_batched=True)
+
+    def target(*ps):
+        y = layer(*ps) if len(ps) == 3 else layer(ps[0], ps[1], None)
+        return torch.autograd.grad((y * y).sum(), ps[1], create_graph=True)[0] if order == "second" else y
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
+                             options={"dynbatch.inner_compiler": "aot_eager"})
+    for B in (2, 3, 5):
+        out = target(*primals)
+        V = torch.randn(B, *out.shape, dtype=out.dtype)
+        assert_same_grads(compiled(*primals, V), loop_grads(out, primals, [V]), msg=f"B={B}")
+    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+    assert dynbatch.counters().get("fallbacks", 0) == 0
+
+
+def test_convolution_weight_grad_keeps_batch_size_symbolic_through_inductor():
+    """The rules fold B into the weight's sizes of a convolution_backward, which
+    Inductor's lowering reads as ints; dynbatch's lowering makes those calls
+    extern.  float64: PyTorch picks the CPU kernel for float32 by whether
+    B*N >= 16, a guard of its own (see docs/usage.md)."""
+    layer, primals = _conv_case(2, False, 2, 1, 1, 1, True)
+
+    def f(x, w, b, V):
+        return torch.autograd.grad(layer(x, w, b), (x, w, b), V, is_grads_batched=True)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True)
+    from torch._inductor import lowering as inductor
+
+    lowering_before = dict(inductor.lowerings)
+    for B in (2, 3, 5, 16):
+        y = layer(*primals)
+        V = torch.randn(B, *y.shape, dtype=y.dtype)
+        assert_same_grads(compiled(*primals, V), loop_grads(y, primals, [V]), msg=f"B={B}")
+    assert dynbatch.counters()["graphs"] == 2, dynbatch.counters()
+    assert dict(inductor.lowerings) == lowering_before  # scoped to dynbatch's lowering

@@ -171,7 +171,7 @@ SKIPS: dict[str, str] = {
 # batching rule holds the batch size in an int64_t, and Dynamo then
 # specialises B.  Found by recording, for each op, the C++ frame that turned a
 # symbolic size into an int (torch 2.13): the rules for scatter/gather/index_*
-# and the sorts, conv backward, native batch/layer/group norm backward,
+# and the sorts, native batch/layer/group norm backward,
 # diagonal/diagonal_scatter, max_unpool, grid_sampler, cross, ...; and ops with
 # no rule and no usable decomposition, which vmap runs once per sample
 # (cummax/cummin, _segment_reduce, pdist, masked_scatter, fractional_max_pool,
@@ -190,11 +190,8 @@ SPECIALIZES_B: frozenset[str] = frozenset({
     'masked_scatter', 'masked_select', 'max/reduction_with_dim', 'median',
     'min/reduction_with_dim', 'mode', 'msort', 'nanmedian', 'nanquantile',
     'native_batch_norm', 'native_layer_norm', 'nn.functional.batch_norm',
-    'nn.functional.bilinear', 'nn.functional.channel_shuffle', 'nn.functional.conv1d',
-    'nn.functional.conv2d', 'nn.functional.conv3d', 'nn.functional.conv_transpose1d',
-    'nn.functional.conv_transpose2d', 'nn.functional.conv_transpose3d',
-    'nn.functional.embedding_bag', 'nn.functional.fractional_max_pool2d',
-    'nn.functional.fractional_max_pool3d', 'nn.functional.grid_sample',
+    'nn.functional.bilinear', 'nn.functional.channel_shuffle', 'nn.functional.embedding_bag',
+    'nn.functional.fractional_max_pool2d', 'nn.functional.fractional_max_pool3d', 'nn.functional.grid_sample',
     'nn.functional.group_norm', 'nn.functional.instance_norm',
     'nn.functional.layer_norm', 'nn.functional.max_unpool1d',
     'nn.functional.max_unpool1d/grad', 'nn.functional.max_unpool2d',
