@@ -289,6 +289,72 @@ def _conv_backward_folded_into_groups(go, x, w, args, mask):
     return grad_input, grad_weight, _bias_grad(go, mask)
 
 
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """functorch's rule reads B as an int, and under create_graph its weight
+    grad, ``sum(grad_out * (input - mean) * rstd)`` in plain ops, has a wrong
+    double backward: autograd does not differentiate the saved mean and rstd,
+    so the weight grad's derivative by the input misses them (torch 2.13: off
+    by up to 6 against the loop).  Here the input grad is the op itself on B
+    folded into the rows (its own derivative formula is exact), and a weight
+    or bias grad that autograd records is computed per sample by the op."""
+    level = _compat.current_vmap_level()
+    args = (grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
+    op = torch.ops.aten.native_layer_norm_backward.default
+    tensors = [t for t in (input, mean, rstd, weight, bias) if t is not None]
+    if any(_compat.unwrap_at(t, level)[1] is not None for t in tensors) or (
+        _records_for_double_backward(args) and (output_mask[1] or output_mask[2])
+    ):
+        return _per_sample(op, *args)
+    go, go_bdim = _compat.unwrap_at(grad_out, level)
+    if go_bdim is None:
+        with _compat.below_vmap():
+            return op(*args)
+    go = go.movedim(go_bdim, 0).to(input.dtype)
+    B, rows = go.shape[0], list(range(1, go.dim() - len(normalized_shape)))  # dims summed for weight and bias
+
+    def sum_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(rows) if rows else t  # sum over [] would sum everything
+    grad_input = grad_weight = grad_bias = None
+    with _compat.below_vmap():
+        if output_mask[0]:
+            g = go if weight is None else go * weight
+            x, m, r = (t.expand(B, *t.shape).contiguous() for t in (input, mean, rstd))
+            grad_input = op(g, x, normalized_shape, m, r, None, None, [True, False, False])[0]
+        if output_mask[1] and weight is not None:
+            grad_weight = sum_rows(go * ((input - mean) * rstd))
+        if output_mask[2] and bias is not None:
+            grad_bias = sum_rows(go)
+    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level)
+                 for g in (grad_input, grad_weight, grad_bias))
+
+
+def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
+                               train, eps, output_mask):
+    """functorch's rule reads B as an int, and under create_graph its weight
+    grad has the same wrong double backward as layer norm's (torch 2.13: off by
+    up to 8; instance norm too, which calls this op).  Channels are independent
+    in batch norm, so B goes into them: [N, (B C), ...] with the per-channel
+    vectors repeated, one call of the op, whose derivative formula is exact."""
+    level = _compat.current_vmap_level()
+    args = (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask)
+    op = torch.ops.aten.native_batch_norm_backward.default
+    go, go_bdim = _compat.unwrap_at(grad_out, level)
+    others = [t for t in args[1:7] if t is not None]
+    if go_bdim is None or any(_compat.unwrap_at(t, level)[1] is not None for t in others):
+        return _per_sample(op, *args)  # a double backward with batched input or stats
+    go = go.movedim(go_bdim, 0)
+    B, N, C = go.shape[:3]
+    with _compat.below_vmap():
+        x = input.unsqueeze(1).expand(N, B, *input.shape[1:]).flatten(1, 2)
+        per_channel = [None if v is None else v.repeat(B) for v in args[2:7]]  # empty save stats stay empty
+        grad_input, grad_weight, grad_bias = op(go.movedim(0, 1).flatten(1, 2), x, *per_channel, train, eps,
+                                                output_mask)
+        if grad_input is not None:
+            grad_input = _batch_first_dense(grad_input.unflatten(1, (B, C)), 1)
+    return tuple(None if g is None else _compat.rewrap_batched(g if g.dim() > 1 else g.unflatten(0, (B, C)), 0, level)
+                 for g in (grad_input, grad_weight, grad_bias))
+
+
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
 _SAMPLEWISE_BACKWARDS = (
     "avg_pool2d_backward", "avg_pool3d_backward",
@@ -328,20 +394,31 @@ def _per_sample_unless_first_order(op: torch._ops.OpOverload, decomposition: Cal
     """
 
     def rule(*args, **kwargs):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            operands, B, level = _batch_dim_first(args)
-            with _compat.below_vmap():
-                if B is None:
-                    return op(*operands, **kwargs)
-                samples = [op(*[a[i] if isinstance(a, torch.Tensor) else a for a in operands], **kwargs)
-                           for i in range(B)]
-            single = not isinstance(samples[0], tuple)
-            outs = [None if column[0] is None else _compat.rewrap_batched(torch.stack(column), 0, level)
-                    for column in ([samples] if single else zip(*samples))]
-            return outs[0] if single else tuple(outs)
+        if _records_for_double_backward(args):
+            return _per_sample(op, *args, **kwargs)
         return decomposition(*args, **kwargs)
 
     return rule
+
+
+def _records_for_double_backward(args: Sequence) -> bool:
+    """Will autograd record this call (create_graph=True)?"""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _per_sample(op: torch._ops.OpOverload, *args, **kwargs):
+    """The op once per sample, stacked: vmap's slow fallback (B read as an int,
+    a graph that grows with B), kept where only the op itself differentiates right."""
+    operands, B, level = _batch_dim_first(args)
+    with _compat.below_vmap():
+        if B is None:
+            return op(*operands, **kwargs)
+        samples = [op(*[a[i] if isinstance(a, torch.Tensor) else a for a in operands], **kwargs)
+                   for i in range(B)]
+    single = not isinstance(samples[0], tuple)
+    outs = [None if column[0] is None else _compat.rewrap_batched(torch.stack(column), 0, level)
+            for column in ([samples] if single else zip(*samples))]
+    return outs[0] if single else tuple(outs)
 
 
 @functools.cache
@@ -375,6 +452,8 @@ def all_rules() -> dict:
         "roll": roll,
         "convolution": convolution,
         "convolution_backward": convolution_backward,
+        "native_layer_norm_backward": native_layer_norm_backward,
+        "native_batch_norm_backward": native_batch_norm_backward,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

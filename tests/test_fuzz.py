@@ -128,6 +128,13 @@ BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cat_rows_half": lambda a, b: torch.cat([a, b], 0)[: a.shape[0]] + b,
     "lerp": lambda a, b: torch.lerp(a, b, 0.3),
     "where_gt": lambda a, b: torch.where(a > b, a, b),
+    # b's rows as the affine weight and bias: batched weight grads under create_graph
+    "layer_norm_affine": lambda a, b: F.layer_norm(a, a.shape[-1:], b[0], b[-1]),
+    # two rows at least, so that training batch norm has a batch; a dense weight, since
+    # eager's CPU batch norm backward ignores a strided weight's strides (torch 2.13: the
+    # loop oracle fails gradcheck; dynbatch is right, test_lowering_passes checks it)
+    "batch_norm_affine": lambda a, b: F.batch_norm(torch.cat([a, 2 * a + 1]), None, None, b[0].contiguous(),
+                                                   b[-1], training=True)[: a.shape[0]],
     "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
 }
 

@@ -171,37 +171,35 @@ SKIPS: dict[str, str] = {
 # batching rule holds the batch size in an int64_t, and Dynamo then
 # specialises B.  Found by recording, for each op, the C++ frame that turned a
 # symbolic size into an int (torch 2.13): the rules for scatter/gather/index_*
-# and the sorts, native batch/layer/group norm backward,
+# and the sorts, native group norm backward,
 # diagonal/diagonal_scatter, max_unpool, grid_sampler, cross, ...; and ops with
 # no rule and no usable decomposition, which vmap runs once per sample
 # (cummax/cummin, _segment_reduce, pdist, masked_scatter, fractional_max_pool,
 # ...).  dynbatch's own rules (batch_rules.py) free slice_backward, cat
-# (split/chunk), gelu, glu, embedding, pixel_shuffle, the pooling and padding
-# backwards and the decomposable no-rule backwards (mish, rrelu, ...).
+# (split/chunk), gelu, glu, embedding, pixel_shuffle, convolutions, layer and
+# batch norm backward, the pooling and padding backwards and the decomposable
+# no-rule backwards (mish, rrelu, ...).
 # Pruned to the ops that specialise in the first 3 samples (slow symbolic pass).
 SPECIALIZES_B: frozenset[str] = frozenset({
-    '_native_batch_norm_legit', '_segment_reduce/lengths', '_segment_reduce/offsets',
-    '_upsample_bilinear2d_aa', 'combinations', 'cross', 'cummax', 'cummin', 'diag',
-    'diagonal', 'diagonal_copy', 'diagonal_scatter', 'fft.ihfft2', 'fft.ihfftn',
-    'gather', 'grid_sampler_2d', 'grid_sampler_3d', 'index_add', 'index_copy',
-    'index_reduce/amax', 'index_reduce/amin', 'index_reduce/mean', 'index_reduce/prod',
-    'index_select', 'kthvalue', 'linalg.cross', 'linalg.diagonal', 'linalg.eig',
-    'linalg.eigh', 'linalg.eigvals', 'linalg.householder_product', 'masked.median',
-    'masked_scatter', 'masked_select', 'max/reduction_with_dim', 'median',
-    'min/reduction_with_dim', 'mode', 'msort', 'nanmedian', 'nanquantile',
-    'native_batch_norm', 'native_layer_norm', 'nn.functional.batch_norm',
-    'nn.functional.bilinear', 'nn.functional.channel_shuffle', 'nn.functional.embedding_bag',
-    'nn.functional.fractional_max_pool2d', 'nn.functional.fractional_max_pool3d', 'nn.functional.grid_sample',
-    'nn.functional.group_norm', 'nn.functional.instance_norm',
-    'nn.functional.layer_norm', 'nn.functional.max_unpool1d',
-    'nn.functional.max_unpool1d/grad', 'nn.functional.max_unpool2d',
-    'nn.functional.max_unpool2d/grad', 'nn.functional.max_unpool3d',
-    'nn.functional.max_unpool3d/grad', 'nn.functional.multi_margin_loss',
-    'nn.functional.multilabel_margin_loss', 'nn.functional.pad/circular',
-    'nn.functional.pdist', 'ormqr', 'put', 'quantile', 'scatter', 'scatter_add',
-    'scatter_reduce/amax', 'scatter_reduce/amin', 'scatter_reduce/mean',
-    'scatter_reduce/prod', 'scatter_reduce/sum', 'sort', 'take', 'take_along_dim',
-    'topk', 'unfold', 'unfold_copy'
+    '_segment_reduce/lengths', '_segment_reduce/offsets', '_upsample_bilinear2d_aa',
+    'combinations', 'cross', 'cummax', 'cummin', 'diag', 'diagonal', 'diagonal_copy',
+    'diagonal_scatter', 'fft.ihfft2', 'fft.ihfftn', 'gather', 'grid_sampler_2d',
+    'grid_sampler_3d', 'index_add', 'index_copy', 'index_reduce/amax', 'index_reduce/amin',
+    'index_reduce/mean', 'index_reduce/prod', 'index_select', 'kthvalue', 'linalg.cross',
+    'linalg.diagonal', 'linalg.eig', 'linalg.eigh', 'linalg.eigvals',
+    'linalg.householder_product', 'masked.median', 'masked_scatter', 'masked_select',
+    'max/reduction_with_dim', 'median', 'min/reduction_with_dim', 'mode', 'msort', 'nanmedian',
+    'nanquantile', 'nn.functional.bilinear', 'nn.functional.channel_shuffle',
+    'nn.functional.embedding_bag', 'nn.functional.fractional_max_pool2d',
+    'nn.functional.fractional_max_pool3d', 'nn.functional.grid_sample',
+    'nn.functional.group_norm', 'nn.functional.max_unpool1d', 'nn.functional.max_unpool1d/grad',
+    'nn.functional.max_unpool2d', 'nn.functional.max_unpool2d/grad',
+    'nn.functional.max_unpool3d', 'nn.functional.max_unpool3d/grad',
+    'nn.functional.multi_margin_loss', 'nn.functional.multilabel_margin_loss',
+    'nn.functional.pad/circular', 'nn.functional.pdist', 'ormqr', 'put', 'quantile', 'scatter',
+    'scatter_add', 'scatter_reduce/amax', 'scatter_reduce/amin', 'scatter_reduce/mean',
+    'scatter_reduce/prod', 'scatter_reduce/sum', 'sort', 'take', 'take_along_dim', 'topk',
+    'unfold', 'unfold_copy'
 })
 
 # (rtol, atol).  float32: 10x assert_close's rtol, since a batched kernel may
