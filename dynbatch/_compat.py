@@ -290,10 +290,10 @@ def inductor_lowerings(wrappers: dict) -> Iterator[None]:
     for the length of the block (one graph's lowering)."""
     from torch._inductor import lowering
 
-    saved = {op: lowering.lowerings[op] for op in wrappers}
+    saved = {op: lowering.lowerings[op] for op in wrappers if op in lowering.lowerings}
     try:
-        for op, wrap in wrappers.items():
-            lowering.lowerings[op] = wrap(op, saved[op])
+        for op, original in saved.items():
+            lowering.lowerings[op] = wrappers[op](op, original)
         yield
     finally:
         lowering.lowerings.update(saved)

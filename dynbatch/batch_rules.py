@@ -52,9 +52,13 @@ def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, i
     if not sizes:
         return [v for v, _ in values], None, level
     B = sizes[0]
-    return [v if bdim == 0 else v.movedim(bdim, 0) if bdim is not None  # no identity permute in the graph
+    return [_to_front(v, bdim) if bdim is not None
             else v.expand(B, *v.shape) if isinstance(v, torch.Tensor) else v
             for v, bdim in values], B, level
+
+
+def _to_front(t: torch.Tensor, bdim: int) -> torch.Tensor:
+    return t if bdim == 0 else t.movedim(bdim, 0)  # no identity permute in the graph
 
 
 def slice_backward(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
@@ -190,7 +194,7 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
         if x_bdim is None and w_bdim is None and b_bdim is None:
             return torch.ops.aten.convolution.default(x, w, b, *args, groups)
         if w_bdim is None and b_bdim is None:
-            x = x.movedim(x_bdim, 0)
+            x = _to_front(x, x_bdim)
             out = torch.ops.aten.convolution.default(x.flatten(0, 1), w, b, *args, groups).unflatten(0, x.shape[:2])
         else:
             (x, w, *b), B, _ = _batch_dim_first([input, weight] + ([bias] if bias is not None else []))
@@ -229,7 +233,7 @@ def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding
             return torch.ops.aten.convolution_backward.default(go, x, w, bias_sizes, *args, output_mask)
         if x_bdim is None and w_bdim is None:
             # the first-order case: only the cotangents carry B
-            grads = _conv_backward_cotangent_batched(go.movedim(go_bdim, 0), x, w, args, output_mask)
+            grads = _conv_backward_cotangent_batched(_to_front(go, go_bdim), x, w, args, output_mask)
         else:
             # a double backward: input or weight batched too
             (go, x, w), _, _ = _batch_dim_first([grad_output, input, weight])
@@ -309,7 +313,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     if go_bdim is None:
         with _compat.below_vmap():
             return op(*args)
-    go = go.movedim(go_bdim, 0).to(input.dtype)
+    go = _to_front(go, go_bdim).to(input.dtype)
     B, rows = go.shape[0], list(range(1, go.dim() - len(normalized_shape)))  # dims summed for weight and bias
 
     def sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -342,7 +346,7 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
     others = [t for t in args[1:7] if t is not None]
     if go_bdim is None or any(_compat.unwrap_at(t, level)[1] is not None for t in others):
         return _per_sample(op, *args)  # a double backward with batched input or stats
-    go = go.movedim(go_bdim, 0)
+    go = _to_front(go, go_bdim)
     B, N, C = go.shape[:3]
     with _compat.below_vmap():
         x = input.unsqueeze(1).expand(N, B, *input.shape[1:]).flatten(1, 2)

@@ -213,13 +213,33 @@ def layer_norm_program(x, V):
     return grad(F.layer_norm(torch.tanh(z), (16,)), z, V, is_grads_batched=True)
 
 
-def test_layer_norm_recompiles_per_batch_size():
-    """functorch's batch rule for native_layer_norm_backward reads B as an int,
-    which guards B: each new B compiles again (values stay right)."""
+def group_norm_program(x, V):
+    z = x.detach().requires_grad_()
+    return grad(F.group_norm(torch.tanh(z), 2), z, V, is_grads_batched=True)
+
+
+def test_layer_norm_keeps_batch_size_symbolic():
+    """functorch's rule for native_layer_norm_backward reads B as an int;
+    dynbatch's own rule (batch_rules.py) does not: one recompile, then none."""
     compiled = compile_dynbatch(layer_norm_program)
     x = _x()
-    for n, B in enumerate((2, 3, 5, 8), start=1):
+    for B in (2, 3):
         _check(compiled, layer_norm_program, x, _V(B))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for B in (5, 8):
+            _check(compiled, layer_norm_program, x, _V(B))
+    assert dynbatch.counters()["graphs"] == 2
+    assert graph_breaks() == 0
+
+
+def test_group_norm_recompiles_per_batch_size():
+    """As documented (docs/usage.md): an op whose functorch rule reads B as an
+    int and that dynbatch has no rule for guards B, so each new B compiles
+    again, with right values."""
+    compiled = compile_dynbatch(group_norm_program)
+    x = _x()
+    for n, B in enumerate((2, 3, 5, 8), start=1):
+        _check(compiled, group_norm_program, x, _V(B))
         assert dynbatch.counters()["graphs"] == n
     assert graph_breaks() == 0
 
