@@ -321,7 +321,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     grad_input = grad_weight = grad_bias = None
     with _compat.below_vmap():
         if output_mask[0]:
-            g = go if weight is None else go * weight
+            g = (go if weight is None else go * weight).contiguous()  # as functorch's rule passes it
             x, m, r = (t.expand(B, *t.shape).contiguous() for t in (input, mean, rstd))
             grad_input = op(g, x, normalized_shape, m, r, None, None, [True, False, False])[0]
         if output_mask[1] and weight is not None:
@@ -351,11 +351,45 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
     with _compat.below_vmap():
         x = input.unsqueeze(1).expand(N, B, *input.shape[1:]).flatten(1, 2)
         per_channel = [None if v is None else v.repeat(B) for v in args[2:7]]  # empty save stats stay empty
-        grad_input, grad_weight, grad_bias = op(go.movedim(0, 1).flatten(1, 2), x, *per_channel, train, eps,
-                                                output_mask)
+        go_ = go.movedim(0, 1).flatten(1, 2).contiguous()  # [N, (B C), ...]
+        grad_input, grad_weight, grad_bias = op(go_, x, *per_channel, train, eps, output_mask)
         if grad_input is not None:
             grad_input = _batch_first_dense(grad_input.unflatten(1, (B, C)), 1)
     return tuple(None if g is None else _compat.rewrap_batched(g if g.dim() > 1 else g.unflatten(0, (B, C)), 0, level)
+                 for g in (grad_input, grad_weight, grad_bias))
+
+
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    """functorch's rule reads B as an int.  Autograd calls this op for first
+    order only (under create_graph group norm differentiates a composite), so
+    the rule is functorch's with B symbolic: the input grad is the op on B
+    folded into N, the weight and bias grads plain sums per sample."""
+    level = _compat.current_vmap_level()
+    args = (grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+    op = torch.ops.aten.native_group_norm_backward.default
+    go, go_bdim = _compat.unwrap_at(grad_out, level)
+    others = [t for t in (input, mean, rstd, weight) if t is not None]
+    if go_bdim is None or _records_for_double_backward(args) or any(
+        _compat.unwrap_at(t, level)[1] is not None for t in others
+    ):
+        return _per_sample(op, *args)
+    go = _to_front(go, go_bdim).to(input.dtype)
+    B = go.shape[0]
+    samples_and_space = [1, *range(3, go.dim())]  # [B, N, C, *spatial]: summed for weight and bias
+    grad_input = grad_weight = grad_bias = None
+    with _compat.below_vmap():
+        if output_mask[0]:
+            x, m, r = (t.expand(B, *t.shape).flatten(0, 1).contiguous() for t in (input, mean, rstd))
+            # dense: the CPU kernel misreads a strided grad_out (torch 2.13)
+            grad_input = op(go.flatten(0, 1).contiguous(), x, m, r, weight, B * N, C, HxW, group,
+                            [True, False, False])[0].unflatten(0, (B, N))
+        if output_mask[1] and weight is not None:
+            x = input.reshape(N, group, -1)
+            normalized = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
+            grad_weight = (go * normalized).sum(samples_and_space)
+        if output_mask[2]:
+            grad_bias = go.sum(samples_and_space)
+    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level)
                  for g in (grad_input, grad_weight, grad_bias))
 
 
@@ -458,6 +492,7 @@ def all_rules() -> dict:
         "convolution_backward": convolution_backward,
         "native_layer_norm_backward": native_layer_norm_backward,
         "native_batch_norm_backward": native_batch_norm_backward,
+        "native_group_norm_backward": native_group_norm_backward,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

@@ -171,14 +171,13 @@ SKIPS: dict[str, str] = {
 # batching rule holds the batch size in an int64_t, and Dynamo then
 # specialises B.  Found by recording, for each op, the C++ frame that turned a
 # symbolic size into an int (torch 2.13): the rules for scatter/gather/index_*
-# and the sorts, native group norm backward,
-# diagonal/diagonal_scatter, max_unpool, grid_sampler, cross, ...; and ops with
-# no rule and no usable decomposition, which vmap runs once per sample
-# (cummax/cummin, _segment_reduce, pdist, masked_scatter, fractional_max_pool,
-# ...).  dynbatch's own rules (batch_rules.py) free slice_backward, cat
-# (split/chunk), gelu, glu, embedding, pixel_shuffle, convolutions, layer and
-# batch norm backward, the pooling and padding backwards and the decomposable
-# no-rule backwards (mish, rrelu, ...).
+# and the sorts, diagonal/diagonal_scatter, max_unpool, grid_sampler, cross,
+# ...; and ops with no rule and no usable decomposition, which vmap runs once
+# per sample (cummax/cummin, _segment_reduce, pdist, masked_scatter,
+# fractional_max_pool, ...).  dynbatch's own rules (batch_rules.py) free
+# slice_backward, cat (split/chunk), gelu, glu, embedding, pixel_shuffle,
+# convolutions, layer, batch and group norm backward, the pooling and padding
+# backwards and the decomposable no-rule backwards (mish, rrelu, ...).
 # Pruned to the ops that specialise in the first 3 samples (slow symbolic pass).
 SPECIALIZES_B: frozenset[str] = frozenset({
     '_segment_reduce/lengths', '_segment_reduce/offsets', '_upsample_bilinear2d_aa',
@@ -192,7 +191,7 @@ SPECIALIZES_B: frozenset[str] = frozenset({
     'nanquantile', 'nn.functional.bilinear', 'nn.functional.channel_shuffle',
     'nn.functional.embedding_bag', 'nn.functional.fractional_max_pool2d',
     'nn.functional.fractional_max_pool3d', 'nn.functional.grid_sample',
-    'nn.functional.group_norm', 'nn.functional.max_unpool1d', 'nn.functional.max_unpool1d/grad',
+    'nn.functional.max_unpool1d', 'nn.functional.max_unpool1d/grad',
     'nn.functional.max_unpool2d', 'nn.functional.max_unpool2d/grad',
     'nn.functional.max_unpool3d', 'nn.functional.max_unpool3d/grad',
     'nn.functional.multi_margin_loss', 'nn.functional.multilabel_margin_loss',
