@@ -61,6 +61,15 @@ def _to_front(t: torch.Tensor, bdim: int) -> torch.Tensor:
     return t if bdim == 0 else t.movedim(bdim, 0)  # no identity permute in the graph
 
 
+def _any_batched(tensors: Sequence, level: int) -> bool:
+    return any(t is not None and _compat.unwrap_at(t, level)[1] is not None for t in tensors)
+
+
+def _rewrap_all(grads: Sequence, level: int) -> tuple:
+    """A multi-output backward's grads, batched along dim 0 (None stays None)."""
+    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level) for g in grads)
+
+
 def slice_backward(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
     rank = len(input_sizes)
     dim = dim % rank
@@ -238,7 +247,7 @@ def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding
             # a double backward: input or weight batched too
             (go, x, w), _, _ = _batch_dim_first([grad_output, input, weight])
             grads = _conv_backward_folded_into_groups(go, x, w, args, output_mask)
-    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level) for g in grads)
+    return _rewrap_all(grads, level)
 
 
 def _conv_backward(go, x, w, args, mask):
@@ -304,8 +313,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     level = _compat.current_vmap_level()
     args = (grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
     op = torch.ops.aten.native_layer_norm_backward.default
-    tensors = [t for t in (input, mean, rstd, weight, bias) if t is not None]
-    if any(_compat.unwrap_at(t, level)[1] is not None for t in tensors) or (
+    if _any_batched((input, mean, rstd, weight, bias), level) or (
         _records_for_double_backward(args) and (output_mask[1] or output_mask[2])
     ):
         return _per_sample(op, *args)
@@ -318,6 +326,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
 
     def sum_rows(t: torch.Tensor) -> torch.Tensor:
         return t.sum(rows) if rows else t  # sum over [] would sum everything
+
     grad_input = grad_weight = grad_bias = None
     with _compat.below_vmap():
         if output_mask[0]:
@@ -328,8 +337,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
             grad_weight = sum_rows(go * ((input - mean) * rstd))
         if output_mask[2] and bias is not None:
             grad_bias = sum_rows(go)
-    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level)
-                 for g in (grad_input, grad_weight, grad_bias))
+    return _rewrap_all((grad_input, grad_weight, grad_bias), level)
 
 
 def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
@@ -343,8 +351,7 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
     args = (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask)
     op = torch.ops.aten.native_batch_norm_backward.default
     go, go_bdim = _compat.unwrap_at(grad_out, level)
-    others = [t for t in args[1:7] if t is not None]
-    if go_bdim is None or any(_compat.unwrap_at(t, level)[1] is not None for t in others):
+    if go_bdim is None or _any_batched(args[1:7], level):
         return _per_sample(op, *args)  # a double backward with batched input or stats
     go = _to_front(go, go_bdim)
     B, N, C = go.shape[:3]
@@ -355,8 +362,8 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
         grad_input, grad_weight, grad_bias = op(go_, x, *per_channel, train, eps, output_mask)
         if grad_input is not None:
             grad_input = _batch_first_dense(grad_input.unflatten(1, (B, C)), 1)
-    return tuple(None if g is None else _compat.rewrap_batched(g if g.dim() > 1 else g.unflatten(0, (B, C)), 0, level)
-                 for g in (grad_input, grad_weight, grad_bias))
+        grad_weight, grad_bias = (None if g is None else g.unflatten(0, (B, C)) for g in (grad_weight, grad_bias))
+    return _rewrap_all((grad_input, grad_weight, grad_bias), level)
 
 
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
@@ -368,10 +375,7 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     args = (grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
     op = torch.ops.aten.native_group_norm_backward.default
     go, go_bdim = _compat.unwrap_at(grad_out, level)
-    others = [t for t in (input, mean, rstd, weight) if t is not None]
-    if go_bdim is None or _records_for_double_backward(args) or any(
-        _compat.unwrap_at(t, level)[1] is not None for t in others
-    ):
+    if go_bdim is None or _records_for_double_backward(args) or _any_batched((input, mean, rstd, weight), level):
         return _per_sample(op, *args)
     go = _to_front(go, go_bdim).to(input.dtype)
     B = go.shape[0]
@@ -389,8 +393,7 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
             grad_weight = (go * normalized).sum(samples_and_space)
         if output_mask[2]:
             grad_bias = go.sum(samples_and_space)
-    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level)
-                 for g in (grad_input, grad_weight, grad_bias))
+    return _rewrap_all((grad_input, grad_weight, grad_bias), level)
 
 
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
