@@ -83,3 +83,40 @@ def test_error_is_eagers_on_cuda():
     with pytest.raises(RuntimeError) as ours:
         torch.compile(vjp, backend="dynbatch")(x, V)
     assert str(ours.value) == str(eager.value)
+
+
+def _conv_norm_net():
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(8, 3, 3, 3, generator=g) / 5).cuda().requires_grad_()
+    w2 = (torch.randn(8, 8, 3, 3, generator=g) / 8).cuda().requires_grad_()
+    gamma = torch.rand(8, generator=g).add(0.5).cuda().requires_grad_()
+    ln_w = torch.rand(8, generator=g).add(0.5).cuda().requires_grad_()
+    params = [w1, w2, gamma, ln_w]
+
+    def net(x):
+        h = torch.nn.functional.conv2d(x, w1, padding=1)
+        h = torch.nn.functional.batch_norm(h, None, None, gamma, None, training=True).tanh()
+        h = torch.nn.functional.conv_transpose2d(h, w2.transpose(0, 1), groups=1)
+        return torch.nn.functional.layer_norm(h.mean((2, 3)), (8,), ln_w)
+
+    return net, params
+
+
+def test_conv_and_norm_rules_on_cuda_keep_b_symbolic():
+    """dynbatch's convolution and norm rules (batch_rules.py) on cuDNN: values
+    equal the loop, one graph for every B >= 2 (on CPU, float32 convolutions add
+    PyTorch's B*N >= 16 oneDNN guard; CUDA has none).  Not yet run on a GPU:
+    written in a session without one."""
+    net, params = _conv_norm_net()
+    x = torch.randn(2, 3, 8, 8, device="cuda")
+
+    def f(*args):
+        *ps, V = args
+        return torch.autograd.grad(net(x), ps, V, is_grads_batched=True)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True)
+    for B in (2, 3, 5, 9):
+        V = torch.randn(B, 2, 8, device="cuda")
+        assert_same_grads(compiled(*params, V), loop_grads(net(x), params, [V]), atol=1e-4, rtol=1e-4)
+    c = dynbatch.counters()
+    assert c["graphs"] <= 2 and not c.get("fallbacks"), c
