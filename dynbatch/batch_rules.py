@@ -388,7 +388,7 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
             grad_input = op(go.flatten(0, 1).contiguous(), x, m, r, weight, B * N, C, HxW, group,
                             [True, False, False])[0].unflatten(0, (B, N))
         if output_mask[1] and weight is not None:
-            x = input.reshape(N, group, -1)
+            x = input.reshape(N, group, C // group * HxW)  # not -1: N may be 0
             normalized = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
             grad_weight = (go * normalized).sum(samples_and_space)
         if output_mask[2]:

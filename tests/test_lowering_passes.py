@@ -325,6 +325,7 @@ _NORMS = {
     "group_norm_4d": ((2, 6, 3, 2), (6,), lambda x, w, b: F.group_norm(x, 3, w, b)),
     "group_norm_2d_input": ((3, 4), (4,), lambda x, w, b: F.group_norm(x, 2, w, b)),
     "group_norm_one_sample": ((1, 4, 3), (4,), lambda x, w, b: F.group_norm(x, 2, w, b)),
+    "group_norm_no_samples": ((0, 4, 3), (4,), lambda x, w, b: F.group_norm(x, 2, w, b)),
 }
 
 
