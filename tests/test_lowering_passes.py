@@ -233,6 +233,20 @@ def test_roll_backward_matches_the_loop(shape, shifts, dims):
     assert dynbatch.counters()["grads_batched"] == 1
 
 
+def _compile_aot_eager(f):
+    return torch.compile(f, backend="dynbatch", fullgraph=True, options={"dynbatch.inner_compiler": "aot_eager"})
+
+
+def _check_batch_sweep(compiled, primals, target, batch_sizes=(2, 3, 5)):
+    """compiled(*primals, V) equals the loop over V's rows for each B, and one
+    graph serves every B after the first (the second B makes it symbolic)."""
+    for B in batch_sizes:
+        out = target(*primals)
+        V = torch.randn(B, *out.shape, dtype=out.dtype)
+        assert_same_grads(compiled(*primals, V), loop_grads(out, primals, [V]), msg=f"B={B}")
+    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+
+
 # (spatial dims, transposed, groups, stride, dilation, padding, bias)
 _CONVS = [
     (1, False, 1, 1, 1, 0, True),
@@ -279,13 +293,7 @@ def test_convolution_rules_match_the_loop_with_one_graph_for_every_B(config, ord
         y = layer(*ps) if len(ps) == 3 else layer(ps[0], ps[1], None)
         return torch.autograd.grad((y * y).sum(), ps[1], create_graph=True)[0] if order == "second" else y
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
-    for B in (2, 3, 5):
-        out = target(*primals)
-        V = torch.randn(B, *out.shape, dtype=out.dtype)
-        assert_same_grads(compiled(*primals, V), loop_grads(out, primals, [V]), msg=f"B={B}")
-    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+    _check_batch_sweep(_compile_aot_eager(f), primals, target)
     assert dynbatch.counters().get("fallbacks", 0) == 0
 
 
@@ -345,13 +353,9 @@ def test_norm_backward_rules_match_the_loop_with_one_graph_for_every_B(name):
     def f(x, w, b, V):
         return torch.autograd.grad(layer(x, w, b), (x, w, b), V, is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
-    for B in (2, 3, 5):
-        y = layer(*primals)
-        V = torch.randn(B, *y.shape, dtype=y.dtype)
-        assert_same_grads(compiled(*primals, V), loop_grads(y, primals, [V]), msg=f"B={B}")
-    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+    compiled = _compile_aot_eager(f)
+    _check_batch_sweep(compiled, primals, layer)
+    y = layer(*primals)
     # stride 0 along B (a new layout, so Dynamo compiles again); with one sample
     # the folded grad stays strided, which the CPU group norm kernel misreads
     V = torch.randn(1, *y.shape, dtype=y.dtype).expand(4, *y.shape)
@@ -377,8 +381,7 @@ def test_norm_weight_grads_under_create_graph_differentiate_like_the_loop(name):
         return torch.autograd.grad(sum((g * g.sin()).sum() for g in gs), (x, w, b),
                                    allow_unused=True, materialize_grads=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = _compile_aot_eager(f)
     y = layer(*primals)
     V = torch.randn(4, *y.shape, dtype=y.dtype)
     expected = second(loop_grads(y, primals, [V], create_graph=True))
@@ -398,8 +401,7 @@ def test_batch_norm_with_a_strided_weight_gets_the_true_gradient():
         return torch.autograd.grad(F.batch_norm(x, None, None, weight, None, training=True), x, V,
                                    is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = _compile_aot_eager(f)
     V = torch.randn(3, 4, 2, dtype=torch.float64)
     dense = F.batch_norm(x, None, None, weight.contiguous(), None, training=True)
     assert_same_grads(compiled(x, V), loop_grads(dense, [x], [V]))
