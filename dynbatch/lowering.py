@@ -70,7 +70,6 @@ def _extern_when_weight_is_symbolic(weight: int, groups: int) -> Callable:
 
     def wrap(op: torch._ops.OpOverload, lowering: Callable) -> Callable:
         extern = _compat.inductor_fallback(op)
-
         names = [a.name for a in op._schema.arguments]
 
         def lower_convolution(*args, **kwargs):
