@@ -210,22 +210,28 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
             x_, w_ = _fold_into_groups(x, w)
             out = torch.ops.aten.convolution.default(
                 x_, w_, b[0].flatten() if b else None, *args, groups * B)
-            out = _batch_first_dense(out.unflatten(1, (B, -1)), 1)
+            out = _batch_out_of_channels(out, B)
     return _compat.rewrap_batched(out, 0, level)
 
 
-def _batch_first_dense(t: torch.Tensor, bdim: int) -> torch.Tensor:
-    """B moved to the front and copied there: a batched tensor whose per-sample
-    strides involve B has symbolic strides, and C++ code that reads ``sizes()``
-    of it (``_convolution_double_backward`` does) raises under a symbolic B."""
-    return t.movedim(bdim, 0).contiguous()
+def _batch_into_channels(t: torch.Tensor) -> torch.Tensor:
+    """[B, N, C, ...] -> [N, (B C), ...]: B independent problems as more channels."""
+    return t.movedim(0, 1).flatten(1, 2)
+
+
+def _batch_out_of_channels(t: torch.Tensor, B) -> torch.Tensor:
+    """[N, (B C), ...] -> [B, N, C, ...], copied dense: a batched tensor whose
+    per-sample strides involve B has symbolic strides, and C++ code that reads
+    ``sizes()`` of it (``_convolution_double_backward`` does) raises under a
+    symbolic B."""
+    return t.unflatten(1, (B, -1)).movedim(1, 0).contiguous()
 
 
 def _fold_into_groups(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, N, C, ...] and [B, *weight] as one convolution with B times the
     groups: channels [N, (B C), ...] and weight [(B dim0), ...], since dim 0
     is the grouped dim of a weight, transposed or not."""
-    return x.movedim(0, 1).flatten(1, 2), w.flatten(0, 1)
+    return _batch_into_channels(x), w.flatten(0, 1)
 
 
 def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
@@ -281,7 +287,7 @@ def _conv_backward_cotangent_batched(go, x, w, args, mask):
         if transposed:  # weight [I, O/G, ...]
             dummy = _dummy(w, (w.shape[0], B * w.shape[1], *w.shape[2:]))
             grad_weight = _conv_backward(go_, x, dummy, args, [False, True, False])[1]
-            grad_weight = _batch_first_dense(grad_weight.unflatten(1, (B, -1)), 1)
+            grad_weight = _batch_out_of_channels(grad_weight, B)  # [I, (B O/G), ...] -> [B, I, O/G, ...]
         else:  # weight [O, I/G, ...]
             dummy = _dummy(w, (B * w.shape[0], *w.shape[1:]))
             grad_weight = _conv_backward(go_, x, dummy, args, [False, True, False])[1]
@@ -294,9 +300,9 @@ def _conv_backward_folded_into_groups(go, x, w, args, mask):
     B = go.shape[0]
     x_, w_ = _fold_into_groups(x, w)
     grad_input, grad_weight, _ = _conv_backward(
-        go.movedim(0, 1).flatten(1, 2), x_, w_, (*args[:5], args[5] * B), [mask[0], mask[1], False])
+        _batch_into_channels(go), x_, w_, (*args[:5], args[5] * B), [mask[0], mask[1], False])
     if grad_input is not None:
-        grad_input = _batch_first_dense(grad_input.unflatten(1, (B, -1)), 1)
+        grad_input = _batch_out_of_channels(grad_input, B)
     if grad_weight is not None:
         grad_weight = grad_weight.unflatten(0, (B, -1))
     return grad_input, grad_weight, _bias_grad(go, mask)
@@ -358,10 +364,10 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
     with _compat.below_vmap():
         x = input.unsqueeze(1).expand(N, B, *input.shape[1:]).flatten(1, 2)
         per_channel = [None if v is None else v.repeat(B) for v in args[2:7]]  # empty save stats stay empty
-        go_ = go.movedim(0, 1).flatten(1, 2).contiguous()  # [N, (B C), ...]
+        go_ = _batch_into_channels(go).contiguous()
         grad_input, grad_weight, grad_bias = op(go_, x, *per_channel, train, eps, output_mask)
         if grad_input is not None:
-            grad_input = _batch_first_dense(grad_input.unflatten(1, (B, C)), 1)
+            grad_input = _batch_out_of_channels(grad_input, B)
         grad_weight, grad_bias = (None if g is None else g.unflatten(0, (B, C)) for g in (grad_weight, grad_bias))
     return _rewrap_all((grad_input, grad_weight, grad_bias), level)
 
