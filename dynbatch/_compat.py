@@ -60,6 +60,106 @@ def expect_true(a: Any) -> bool:
     return _expect_true(a)
 
 
+# --- transforms seen at the edge of a compiled region ------------------------
+
+def forward_ad_level() -> int:
+    """The innermost active ``torch.autograd.forward_ad.dual_level`` (-1: none)."""
+    from torch.autograd import forward_ad
+
+    return forward_ad._current_level
+
+
+def has_tangent(t: torch.Tensor) -> bool:
+    from torch.autograd import forward_ad
+
+    return forward_ad.unpack_dual(t).tangent is not None
+
+
+def legacy_vmap_level() -> int:
+    """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()
+    return level - 1
+
+
+def is_legacy_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_legacy_batchedtensor(t)
+
+
+class Batching:
+    """How a set of grads is batched: by eager's legacy vmap or by torch.func."""
+
+    def __init__(self, kind: str, level: int) -> None:
+        self.kind, self.level = kind, level
+
+    @contextlib.contextmanager
+    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]):
+        """Yield (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this vmap level.
+
+        Grads not batched at this level are expanded to B.  ``rewrap`` turns
+        physical [B, ...] results (or None) back into batched tensors.
+        """
+        physical = [(i, self._unwrap(g)) for i, g in out_grads]
+        sizes = {p.shape[0] for (_, p), (_, g) in zip(physical, out_grads) if self._is_batched(g)}
+        batch_size = sizes.pop()
+        physical = [(i, p if self._is_batched(g) else p.expand(batch_size, *p.shape))
+                    for (i, p), (_, g) in zip(physical, out_grads)]
+        with self._outside():
+            yield physical, batch_size, self._rewrap
+
+    def _is_batched(self, g: torch.Tensor) -> bool:
+        if self.kind == "legacy":
+            return is_legacy_batched(g)
+        return torch._C._functorch.maybe_get_level(g) == self.level
+
+    def _unwrap(self, g: torch.Tensor) -> torch.Tensor:
+        if not self._is_batched(g):
+            return g
+        if self.kind == "legacy":
+            # A batched tensor's own batch size is used; the size argument is for unbatched ones.
+            return torch._remove_batch_dim(g, self.level, 0, 0)
+        value, bdim = torch._C._functorch._unwrap_batched(g, self.level)
+        return value.movedim(bdim, 0)
+
+    def _rewrap(self, grads: tuple) -> tuple:
+        add = torch._add_batch_dim if self.kind == "legacy" else torch._C._functorch._add_batch_dim
+        return tuple(None if g is None else add(g, 0, self.level) for g in grads)
+
+    @contextlib.contextmanager
+    def _outside(self) -> Iterator[None]:
+        """Leave legacy vmap mode, whose dispatch key rejects random ops (Inductor
+        draws some while it compiles) in every tensor op, batched or not."""
+        if self.kind != "legacy":
+            yield
+            return
+        for _ in range(self.level):
+            torch._C._vmapmode_decrement_nesting()
+        try:
+            yield
+        finally:
+            for _ in range(self.level):
+                torch._C._vmapmode_increment_nesting()
+
+
+def batching_of(grads: list[torch.Tensor]) -> Batching | None:
+    """The vmap that batches these grads, or None for plain tensors.  One batch
+    level is unwrapped; anything deeper is "nested", for paths (an eager
+    re-run) that take any batching as it comes."""
+    legacy = [g for g in grads if is_legacy_batched(g)]
+    if legacy:
+        level = legacy_vmap_level()
+        if not any(is_legacy_batched(torch._remove_batch_dim(g, level, 0, 0)) for g in legacy):
+            return Batching("legacy", level)
+        return Batching("nested", -1)
+    wrapped = [g for g in grads if torch._C._functorch.is_functorch_wrapped_tensor(g)]
+    if not wrapped:
+        return None
+    levels = {torch._C._functorch.maybe_get_level(g) for g in wrapped}
+    if len(levels) == 1 and all(torch._C._functorch.is_batchedtensor(g) for g in wrapped):
+        return Batching("functorch", levels.pop())
+    return Batching("nested", -1)
+
+
 # --- Dynamo ---------------------------------------------------------------
 
 def trace_autograd_ops_enabled() -> Any:
@@ -145,6 +245,22 @@ def unwrap_backend(fn: Any) -> Any:
         elif isinstance(fn, functools.partial):
             fn = fn.func
     return fn
+
+
+def realized_graph_module(gm: Any) -> Any:
+    """``gm`` with its generated ``forward`` in place: Dynamo will not trace into
+    a lazy graph module's placeholder ``_lazy_forward`` (MOD_SKIPLIST)."""
+    real_recompile = getattr(gm, "real_recompile", None)  # _LazyGraphModule only
+    if real_recompile is not None:
+        real_recompile()
+    return gm
+
+
+def dynamo_disable(fn: Callable) -> Callable:
+    """Keep Dynamo out of ``fn``: a backward of a compiled graph runs whenever the
+    user calls it, perhaps under an active torch.compile frame, and dynbatch's own
+    plumbing is not user code to compile."""
+    return torch._dynamo.disable(fn, reason="dynbatch's region backward")
 
 
 def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
@@ -330,6 +446,38 @@ def aot_autograd(**kwargs: Any) -> Callable:
     from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 
     return _aot_autograd(**kwargs)
+
+
+@contextlib.contextmanager
+def torch_internal_deprecations_hidden() -> Iterator[None]:
+    """Hide Future/DeprecationWarnings raised *by torch modules* while dynbatch
+    lowers a graph (Inductor's aten.diagonal lowering calls the deprecated
+    ``torch._prims_common.check``): code that asserts no warnings should not
+    see torch's notes to itself.  Warnings attributed to user code still show."""
+    import warnings
+
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
+        yield
+
+
+def aot_config_patch(**settings: Any) -> Any:
+    """AOTAutograd config for one compile; settings this torch lacks are skipped."""
+    import torch._functorch.config as aot_config
+
+    return aot_config.patch(**{k: v for k, v in settings.items() if hasattr(aot_config, k)})
+
+
+def aot_mutates_differentiable_input() -> bool:
+    """While AOTAutograd compiles a graph: does it write in place to an input that
+    requires grad?  Unknown metadata answers True (the cautious answer)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    infos = getattr(meta, "input_info", None)
+    if infos is None:
+        return True
+    return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
 
 
 def make_boxed_func(fn: Callable) -> Callable:

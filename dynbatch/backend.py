@@ -7,12 +7,13 @@ works without importing dynbatch first.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, batching, capture, lowering
+from . import _compat, batching, capture, lowering, region
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -55,7 +56,19 @@ def dynbatch_backend(
     STATS.add(record)
     log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)",
              len(record.batched), len(record.plain))
-    return compiled
+    # What a grad taken outside this graph gets: NOTE [Region backward] in region.py.
+    return region.Region(
+        gm, compiled, example_inputs,
+        recompile=functools.partial(_compile_like, mode=mode, options=options),
+        random_ops=record.random_ops,
+        mutates_differentiable_input=record.mutates_differentiable_input,
+    )
+
+
+def _compile_like(fn: Callable, *, mode: str | None, options: dict[str, Any] | None) -> Callable:
+    """``fn`` compiled by dynbatch with a graph's own mode and options."""
+    backend = functools.partial(dynbatch_backend, mode=mode, options=options)
+    return torch.compile(fn, backend=backend, fullgraph=True)
 
 
 dynbatch_backend._dynbatch_backend = True  # how capture.py recognises our compiles

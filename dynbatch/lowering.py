@@ -26,15 +26,28 @@ def lower(
     options: Options,
     record: CompileRecord,
 ) -> Callable[..., Any]:
-    if options.inner_compiler == "inductor":
-        return _lower_with_inductor(gm, example_inputs, options, record)
-    return _lower_with_aot_eager(gm, example_inputs, options, record)
+    # A backward taken from outside may run the compiled backward with
+    # retain_graph=True (region.py), which donated buffers forbid.  Torch's
+    # deprecation warnings about its own internals are not the user's to see.
+    with _compat.aot_config_patch(donated_buffer=False), _compat.torch_internal_deprecations_hidden():
+        if options.inner_compiler == "inductor":
+            return _lower_with_inductor(gm, example_inputs, options, record)
+        return _lower_with_aot_eager(gm, example_inputs, options, record)
 
 
 def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool) -> None:
     record.aten_node_counts.append(count_nodes(gm))
     if keep_text:
         record.aten_graphs.append(graph_text(gm, title))
+    # What the region's backward from outside must know (region.py).
+    record.random_ops = tuple(sorted(set(record.random_ops) | set(random_ops(gm))))
+    record.mutates_differentiable_input |= _compat.aot_mutates_differentiable_input()
+
+
+def random_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """Ops that draw random numbers: a re-run of the graph would draw others."""
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+            and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
 
 
 def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord):

@@ -24,6 +24,8 @@ class CompileRecord:
     batched: tuple[str, ...] = ()
     plain: tuple[str, ...] = ()
     fallback_reason: str | None = None
+    random_ops: tuple[str, ...] = ()  # aten ops that draw random numbers (no re-run for a backward)
+    mutates_differentiable_input: bool = False  # an input that requires grad is written in place
 
     @property
     def fell_back(self) -> bool:
@@ -40,6 +42,10 @@ class Stats:
             self.counters: collections.Counter[str] = collections.Counter()
             self.fallback_reasons: collections.Counter[str] = collections.Counter()
             self.records: collections.deque[CompileRecord] = collections.deque(maxlen=_MAX_RECORDS)
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
 
     def add(self, record: CompileRecord) -> None:
         with self._lock:

@@ -12,9 +12,11 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .variants import REFERENCE, VARIANTS
+from .variants import COMPILED, REFERENCE, VARIANTS
 
 OURS = "dynbatch"
+# dynbatch's own other pattern (grad outside the compiled f): not a rival column.
+OURS_TOO = ("dynbatch_outside",)
 
 
 # --- reading cells --------------------------------------------------------------
@@ -45,7 +47,7 @@ def best_other(case: dict[str, Any], key: str, usable=lambda cell: True,
                exclude: tuple[str, ...] = ()) -> tuple[str | None, float | None]:
     """The column other than dynbatch (and ``exclude``) with the smallest ``key`` figure."""
     figures = [(cell[key], name) for name, cell in case["variants"].items()
-               if name != OURS and name not in exclude and ok(cell) and cell.get(key) is not None
+               if name != OURS and name not in OURS_TOO + exclude and ok(cell) and cell.get(key) is not None
                and usable(cell)]
     if not figures:
         return None, None
@@ -192,7 +194,7 @@ def error_table(results, notes: Footnotes) -> str:
 
 
 def graphs_table(results) -> str:
-    cols = [v for v in columns(results) if v in ("stock_compile", "compiled_func", "dynbatch", "jax")]
+    cols = [v for v in columns(results) if v in COMPILED]
     body = []
     for problem in results["problems"]:
         counts = [("–" if problem["graphs"].get(v) is None else str(problem["graphs"][v])) for v in cols]

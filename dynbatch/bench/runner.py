@@ -116,7 +116,7 @@ def _run_column(variant, problem, settings: Settings, references, out, bar) -> N
     # Each compiled column starts from empty Inductor caches: dynbatch and
     # compiled_func often generate identical kernels, and the second would
     # otherwise find the first's and report a compile it never paid for.
-    fresh = settings.cold_compile_cache and variant in ("compiled_func", "dynbatch")
+    fresh = settings.cold_compile_cache and variant in ("compiled_func", "dynbatch", "dynbatch_outside")
     with _fresh_inductor_cache() if fresh else contextlib.nullcontext():
         _run_column_cases(variant, problem, settings, references, out, bar)
 

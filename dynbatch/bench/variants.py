@@ -16,10 +16,11 @@ import torch
 
 from .problem import Case, Problem
 
-VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "stock_compile", "compiled_func", "dynbatch", "jax")
+VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "stock_compile", "compiled_func", "dynbatch",
+            "dynbatch_outside", "jax")
 REFERENCE = "eager_batched"  # every ratio in the report is over this column
 TRUTH = "eager_loop"  # errors are measured against this column
-COMPILED = ("stock_compile", "compiled_func", "dynbatch", "jax")
+COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_outside", "jax")
 
 DESCRIPTIONS = {
     "eager_loop": "loop of torch.autograd.grad(..., retain_graph=True) over the B cotangents, stacked",
@@ -29,6 +30,8 @@ DESCRIPTIONS = {
                      "torch._dynamo.config.trace_autograd_ops=True, in a subprocess with a time limit",
     "compiled_func": "torch.compile (Inductor) of the torch.func vmap/vjp code",
     "dynbatch": 'torch.compile(backend="dynbatch") of the is_grads_batched code',
+    "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone; the is_grads_batched grad taken '
+                        "outside it, in eager code (the region's compiled batched backward)",
     "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
 }
 
@@ -79,6 +82,21 @@ def batched_program(problem: Problem) -> Callable:
         return _finish(problem, torch.autograd.grad(y, x, cotangents, is_grads_batched=True)[0])
 
     return batched
+
+
+def outside_program(problem: Problem) -> Callable:
+    """The compiled-model pattern: only ``f`` is compiled; the batched grad is
+    eager code around it (dynbatch/region.py batches that backward)."""
+    if problem.batched_api is not None:
+        raise VariantUnavailable(f"{problem.name} differentiates through an API that calls f itself")
+    compiled_f = torch.compile(problem.f, backend="dynbatch")
+
+    def outside(x, cotangents):
+        x = x.detach().requires_grad_()
+        y = compiled_f(x)
+        return _finish(problem, torch.autograd.grad(y, x, cotangents, is_grads_batched=True)[0])
+
+    return outside
 
 
 def vmap_program(problem: Problem) -> Callable:
@@ -139,6 +157,8 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
     if variant == "dynbatch":
         return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch"),
                              compiled=True)
+    if variant == "dynbatch_outside":
+        return _torch_runner(variant, problem, outside_program(problem), compiled=True)
     if variant == "jax":
         return _jax_runner(problem, device)
     raise KeyError(f"unknown variant {variant!r}; choose from {VARIANTS}")

@@ -1,0 +1,250 @@
+"""Grads taken outside a dynbatch-compiled region (issue 13; dynbatch/region.py).
+
+A user compiles the model or the energy function, then differentiates it with
+the autograd APIs they already use: Hessians, batched Jacobians, create_graph,
+retain_graph, torch.func.  Every test compares with eager PyTorch on the same
+program and asserts, through dynbatch's counters, which backward path ran
+(NOTE [Region backward]): ``outside_plain`` (AOTAutograd's compiled backward),
+``outside_batched_compiled`` (one dynbatch-compiled batched backward),
+``outside_eager`` (the captured graph re-run eagerly: create_graph, torch.func
+vmap), ``outside_per_sample`` (random ops), ``eager_calls`` (a call with
+forward-mode tangents).
+
+The Inductor cases are the ones whose failures were Inductor's alone (data
+pointers of BatchedTensors, donated buffers); the rest use aot_eager.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.autograd.functional as AF
+
+import dynbatch
+from conftest import assert_same_grads, loop_grads
+
+INDUCTOR = {}
+AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager"}
+grad = torch.autograd.grad
+
+
+def compiled(fn, options=AOT_EAGER, **kwargs):
+    return torch.compile(fn, backend="dynbatch", options=options, **kwargs)
+
+
+def paths() -> dict[str, int]:
+    names = ("outside_plain", "outside_batched_compiled", "outside_eager", "outside_per_sample", "eager_calls")
+    return {k: v for k, v in dynbatch.counters().items() if k in names}
+
+
+def mlp(dtype=torch.float64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+def narrow_exp(a):
+    return 3 * a.narrow(0, 0, 3).exp().sum()
+
+
+def x64(*shape, requires_grad=False):
+    torch.manual_seed(1)
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=requires_grad)
+
+
+# --- the rows of issue 13's table -----------------------------------------------------
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_hessian_of_a_compiled_function_is_not_zeros(vectorize):
+    x = x64(5)
+    got = AF.hessian(compiled(narrow_exp), x, vectorize=vectorize)
+    want = AF.hessian(narrow_exp, x, vectorize=vectorize)
+    assert want.abs().sum() > 0
+    assert_same_grads(got, want)
+    assert paths().get("outside_eager", 0) >= 1, paths()
+
+
+@pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
+def test_batched_jacobian_of_a_compiled_model_runs_one_compiled_batched_backward(options):
+    model = mlp()
+    m = compiled(model, options)
+    x = x64(2, 4)
+    assert_same_grads(AF.jacobian(m, x, vectorize=True), AF.jacobian(model, x, vectorize=True))
+    assert paths() == {"outside_batched_compiled": 1}
+    xr = x.clone().requires_grad_()
+    for B in (2, 3, 5, 7):
+        V = torch.randn(B, 2, 3, dtype=torch.float64)
+        got = grad(m(xr), xr, V, is_grads_batched=True)[0]
+        assert_same_grads(got, grad(model(xr), xr, V, is_grads_batched=True)[0], msg=f"B={B}")
+    assert paths() == {"outside_batched_compiled": 5}
+    # The batched backward keeps B symbolic: one graph for the first B, one for all later ones.
+    batched_graphs = [r for r in dynbatch.compile_records() if r.batched and "is_grads_batched" in r.dynamo_graph]
+    assert len(batched_graphs) <= 3, [r.dynamo_graph for r in batched_graphs]
+
+
+@pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
+def test_loop_jacobian_and_hessian_of_a_compiled_model(options):
+    model = mlp()
+    m = compiled(model, options)
+    x = x64(2, 4)
+    assert_same_grads(AF.jacobian(m, x), AF.jacobian(model, x))
+    assert paths().get("outside_plain", 0) == 6  # one retained backward per output element
+    energy = lambda t: m(t).pow(2).sum()  # noqa: E731
+    assert_same_grads(AF.hessian(energy, x), AF.hessian(lambda t: model(t).pow(2).sum(), x))
+    assert paths().get("outside_eager", 0) == 1
+
+
+def test_forward_mode_jacobian_inside_a_compiled_function_is_not_zeros():
+    g = lambda t: AF.jacobian(lambda u: 3 * u ** 2, t, strategy="forward-mode", vectorize=True)  # noqa: E731
+    x = x64(5)
+    assert_same_grads(compiled(g, INDUCTOR)(x), g(x))
+    assert paths().get("eager_calls", 0) >= 1, paths()
+
+
+def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function():
+    inner = lambda i: AF.jacobian(lambda t: t.exp().sum(1), i, create_graph=True, vectorize=True)  # noqa: E731
+    x = x64(3, 4, requires_grad=True)
+    out = compiled(inner, INDUCTOR)(x)
+    V = torch.randn(6, *out.shape, dtype=torch.float64)
+    assert_same_grads(grad(out, x, V, is_grads_batched=True)[0],
+                      grad(inner(x), x, V, is_grads_batched=True)[0])
+    assert paths() == {"outside_batched_compiled": 1}
+
+
+def test_compiled_hessian_called_after_bad_input_is_not_zeros():
+    f = lambda t: (t.sin() ** 2).sum()  # noqa: E731
+    h = lambda t: AF.hessian(f, t, vectorize=True)  # noqa: E731
+    c = compiled(h)
+    with pytest.raises(TypeError) as got:
+        c("bad")
+    with pytest.raises(TypeError) as want:
+        h("bad")
+    assert str(got.value) == str(want.value)
+    x = x64(5)
+    assert_same_grads(c(x), h(x))
+
+
+def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_reverse_hessian():
+    def f(a, b):
+        return a @ b, (a.sin() @ b).exp()
+
+    a, b = x64(3, 3), x64(3, 2)
+    jac = lambda a, b: AF.jacobian(f, (a, b), strategy="forward-mode", vectorize=True)  # noqa: E731
+    got, want = compiled(jac, INDUCTOR)(a, b), jac(a, b)
+    for g_row, w_row in zip(got, want):
+        assert_same_grads(g_row, w_row)
+    energy = lambda t: (t.sin() ** 2).sum()  # noqa: E731
+    hess = lambda t: AF.hessian(energy, t, vectorize=True, outer_jacobian_strategy="forward-mode")  # noqa: E731
+    assert_same_grads(compiled(hess)(x64(4)), hess(x64(4)))
+
+
+# --- the other patterns users write ---------------------------------------------------
+
+def test_training_step_grads_equal_eager_and_retain_graph_works():
+    model = mlp()
+    m = compiled(model, INDUCTOR)
+    x = x64(5, 4)
+    loss = m(x).pow(2).mean()
+    params = list(model.parameters())
+    first = grad(loss, params, retain_graph=True)
+    second = grad(loss, params)
+    want = grad(model(x).pow(2).mean(), params)
+    assert_same_grads(first, want)
+    assert_same_grads(second, want)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        grad(loss, params)
+    assert paths() == {"outside_plain": 2}
+    m(x).sum().backward()  # .backward() accumulates into .grad like eager
+    got = [p.grad.clone() for p in params]
+    model.zero_grad()
+    model(x).sum().backward()
+    assert_same_grads(tuple(got), tuple(p.grad for p in params))
+
+
+def test_create_graph_third_order():
+    f = compiled(lambda t: t.sin().prod())
+    x = x64(3, requires_grad=True)
+    (g1,) = grad(f(x), x, create_graph=True)
+    (g2,) = grad(g1.sum(), x, create_graph=True)
+    (g3,) = grad(g2.sum(), x)
+    e1 = grad(x.sin().prod(), x, create_graph=True)[0]
+    e2 = grad(e1.sum(), x, create_graph=True)[0]
+    assert_same_grads(g3, grad(e2.sum(), x)[0])
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian", "vmap_vjp"])
+def test_torch_func_transforms_over_a_compiled_model(transform):
+    model = mlp()
+    m = compiled(model)
+    x = x64(2, 4)
+    if transform == "vmap_vjp":
+        # The forward runs compiled outside the transform; vmap batches the grads
+        # that reach the region's backward (functorch's BatchedTensors).
+        xr = x.clone().requires_grad_()
+        out, want_out = m(xr), model(xr)
+        V = torch.randn(5, 2, 3, dtype=torch.float64)
+        got = torch.func.vmap(lambda v: grad(out, xr, v, retain_graph=True)[0])(V)
+        want = torch.func.vmap(lambda v: grad(want_out, xr, v, retain_graph=True)[0])(V)
+        assert paths() == {"outside_eager": 1}
+    else:
+        wrap = {"jacrev": torch.func.jacrev, "jacfwd": torch.func.jacfwd,
+                "hessian": lambda f: torch.func.hessian(lambda t: f(t).pow(2).sum())}[transform]
+        got, want = wrap(m)(x), wrap(model)(x)
+    assert_same_grads(got, want)
+
+
+def test_random_ops_loop_per_sample_and_refuse_create_graph():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)).double()
+    m = compiled(model)
+    x = x64(2, 4, requires_grad=True)
+    out = m(x)
+    V = torch.randn(4, 2, 3, dtype=torch.float64)
+    # The oracle differentiates the same forward (same dropout mask) one sample at a time.
+    want = loop_grads(out, x, V)
+    got = grad(out, x, V, is_grads_batched=True, retain_graph=True)
+    assert_same_grads(got, want)
+    assert paths().get("outside_per_sample") == 1, paths()
+    with pytest.raises(RuntimeError, match="draws random numbers"):
+        grad(out.sum(), x, create_graph=True)
+    assert dynbatch.compile_records()[0].random_ops
+
+
+def test_in_place_write_to_a_differentiable_input_is_first_order_only():
+    def f(a):
+        a.mul_(2)
+        return a.sin()
+
+    x = x64(4, requires_grad=True)
+    got_out = compiled(f)(x * 1)
+    want_out = f(x * 1)
+    assert_same_grads(grad(got_out.sum(), x, retain_graph=True), grad(want_out.sum(), x))
+    assert dynbatch.compile_records()[0].mutates_differentiable_input
+    with pytest.raises(RuntimeError, match="mutates an input that requires grad"):
+        grad(got_out.sum(), x, create_graph=True)
+
+
+def test_inference_regions_are_called_directly():
+    model = mlp()
+    m = compiled(model)
+    with torch.no_grad():
+        m(x64(2, 4))
+    m(x64(2, 4))  # x does not require grad, but the parameters do
+    assert type(m(x64(2, 4))) is torch.Tensor
+
+
+def test_no_inductor_deprecation_warnings_leak(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def fn(x, V):
+        x = x.detach().requires_grad_()
+        y = torch.diagonal(x @ x.t()).tanh()
+        return grad(y, x, V, is_grads_batched=True)[0]
+
+    x = torch.randn(4, 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiled(fn, {"fx_graph_cache": False}, fullgraph=True)(x, torch.randn(3, 4))
+    leaked = [w for w in seen if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not leaked, [str(w.message) for w in leaked]
