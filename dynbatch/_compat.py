@@ -162,6 +162,23 @@ def batching_of(grads: list[torch.Tensor]) -> Batching | None:
 
 # --- Dynamo ---------------------------------------------------------------
 
+def functional_forward_jacobian() -> Callable | None:
+    """``torch.autograd.functional._jacfwd``, which dynbatch traces as vmap over jvp."""
+    return getattr(torch.autograd.functional, "_jacfwd", None)
+
+
+def functional_as_tuple(*args: Any) -> Any:
+    return torch.autograd.functional._as_tuple(*args)
+
+
+def functional_standard_basis(*args: Any) -> Any:
+    return torch.autograd.functional._construct_standard_basis_for(*args)
+
+
+def functional_tuple_postprocess(*args: Any) -> Any:
+    return torch.autograd.functional._tuple_postprocess(*args)
+
+
 def trace_autograd_ops_enabled() -> Any:
     """A context manager that lets Dynamo put ``torch.autograd.grad`` in the graph."""
     return torch._dynamo.config.patch(trace_autograd_ops=True)
@@ -186,6 +203,34 @@ def dynamo_inlines_module(module_name: str) -> Iterator[None]:
         yield
     finally:
         rules.update(saved)
+
+
+@contextlib.contextmanager
+def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[None]:
+    """While the block runs, Dynamo traces ``replacement`` wherever user code
+    calls ``original`` (its polyfill mechanism, scoped instead of global).
+    Eager calls of ``original`` are unchanged, and guards see the same object."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables.functions import PolyfilledFunctionVariable
+
+    rules = trace_rules.get_torch_obj_rule_map()
+    handlers = PolyfilledFunctionVariable._get_polyfill_handlers()
+    saved_rule, saved_handler = rules.get(original), handlers.get(original)
+
+    @functools.wraps(original)
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    handler.__torch_dynamo_polyfill__ = replacement  # type: ignore[attr-defined]
+    rules[original], handlers[original] = PolyfilledFunctionVariable, handler
+    try:
+        yield
+    finally:
+        for table, value in ((rules, saved_rule), (handlers, saved_handler)):
+            if value is None:
+                table.pop(original, None)
+            else:
+                table[original] = value
 
 
 def dynamo_utils_module() -> Any:

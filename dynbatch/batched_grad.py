@@ -90,3 +90,43 @@ def batched_grad(
             for g, inp in zip(result, inputs)
         )
     return result
+
+
+def forward_mode_jacobian(func, inputs, strict=False, vectorize=False):
+    """``torch.autograd.functional``'s forward-mode Jacobian, as Dynamo traces it
+    inside a dynbatch compile: ``torch.func.vmap`` over ``torch.func.jvp``.
+
+    Eager's version maps the jvp with the legacy ``_vmap``, on which Dynamo
+    graph-breaks; the user function then runs as a frame of its own, called
+    with dual tensors.  This one is one graph, batched over the basis
+    (symbolic in its size), with the same results and result layout.
+    """
+    if strict:
+        raise RuntimeError(
+            "torch.autograd.functional.jacobian: `strict=True` "
+            'and `strategy="forward-mode"` are not supported together (yet). '
+            "Please either set `strict=False` or "
+            '`strategy="reverse-mode"`.'
+        )
+    if not vectorize:
+        raise NotImplementedError(
+            "Computing Jacobian using forward-AD or forward-over-reverse Hessian is"
+            "only implemented for `vectorize=True`."
+        )
+    is_inputs_tuple, inputs = _compat.functional_as_tuple(inputs, "inputs", "jacobian")
+    is_outputs_tuple, outputs = _compat.functional_as_tuple(func(*inputs), "outputs", "jacobian")
+    numels = tuple(t.numel() for t in inputs)
+    basis = _compat.functional_standard_basis(inputs, numels)
+
+    def jvp(*tangents):
+        tangents = tuple(t.view_as(x) for t, x in zip(tangents, inputs))
+        return torch.func.jvp(lambda *xs: _as_tuple(func(*xs)), inputs, tangents)[1]
+
+    columns = torch.func.vmap(jvp)(*basis)
+    # As eager's: the basis dim comes last, then the input's shape.
+    jacobian = tuple(
+        tuple(j.permute(*range(1, j.ndim), 0).reshape((*out.shape, *x.shape))
+              for j, x in zip(col.split(numels, dim=0), inputs))
+        for col, out in zip(columns, outputs)
+    )
+    return _compat.functional_tuple_postprocess(jacobian, (is_outputs_tuple, is_inputs_tuple))

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import _compat, batch_rules
-from .batched_grad import batched_grad
+from .batched_grad import batched_grad, forward_mode_jacobian
 
 log = logging.getLogger("dynbatch")
 
@@ -76,10 +76,13 @@ def capture_scope():
             return trace_grad(node, args, kwargs)
         return original_run_node(tracer, node, args, kwargs, nnmodule)
 
+    jacfwd = _compat.functional_forward_jacobian()
     with (
         batch_rules.symbolic_batch_rules(),
         _compat.trace_autograd_ops_enabled(),
         _compat.dynamo_inlines_module("torch.autograd.functional"),
+        # after the line above, which maps every function of the module to plain inlining
+        _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd else contextlib.nullcontext(),
     ):
         utils.run_node = run_node
         try:

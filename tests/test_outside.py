@@ -95,11 +95,25 @@ def test_loop_jacobian_and_hessian_of_a_compiled_model(options):
     assert paths().get("outside_eager", 0) == 1
 
 
-def test_forward_mode_jacobian_inside_a_compiled_function_is_not_zeros():
+def test_forward_mode_jacobian_inside_a_compiled_function_is_one_graph():
+    # Eager's version maps the jvp with the legacy _vmap, a graph break; dynbatch
+    # traces it as torch.func.vmap over torch.func.jvp (fullgraph=True proves it).
     g = lambda t: AF.jacobian(lambda u: 3 * u ** 2, t, strategy="forward-mode", vectorize=True)  # noqa: E731
     x = x64(5)
-    assert_same_grads(compiled(g, INDUCTOR)(x), g(x))
-    assert paths().get("eager_calls", 0) >= 1, paths()
+    assert_same_grads(compiled(g, INDUCTOR, fullgraph=True)(x), g(x))
+    assert dynbatch.counters().get("graphs") == 1 and not paths(), dynbatch.counters()
+
+
+def test_a_region_called_with_dual_tensors_runs_eagerly():
+    import torch.autograd.forward_ad as fwAD
+
+    f = compiled(lambda u: 3 * u ** 2 + u.sin(), INDUCTOR)
+    x, t = x64(5), torch.ones(5, dtype=torch.float64)
+    f(x)  # compiled once for plain tensors
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(f(fwAD.make_dual(x, t))).tangent
+    assert_same_grads(got, 6 * x + x.cos())
+    assert paths() == {"eager_calls": 1}
 
 
 def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function():
@@ -131,12 +145,15 @@ def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_rever
 
     a, b = x64(3, 3), x64(3, 2)
     jac = lambda a, b: AF.jacobian(f, (a, b), strategy="forward-mode", vectorize=True)  # noqa: E731
-    got, want = compiled(jac, INDUCTOR)(a, b), jac(a, b)
+    got, want = compiled(jac, INDUCTOR, fullgraph=True)(a, b), jac(a, b)
     for g_row, w_row in zip(got, want):
         assert_same_grads(g_row, w_row)
     energy = lambda t: (t.sin() ** 2).sum()  # noqa: E731
     hess = lambda t: AF.hessian(energy, t, vectorize=True, outer_jacobian_strategy="forward-mode")  # noqa: E731
+    # Dynamo refuses requires_grad_() under torch.func.jvp (forward over reverse):
+    # a graph break, and the inner frames run as regions called with dual tensors.
     assert_same_grads(compiled(hess)(x64(4)), hess(x64(4)))
+    assert paths().get("eager_calls", 0) >= 1, paths()
 
 
 # --- the other patterns users write ---------------------------------------------------
