@@ -109,7 +109,7 @@ class Region:
             return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
                                        create_graph=create_graph, allow_unused=True)
 
-    def batched_backward(self, inputs, others, out_grads, batch_size):
+    def batched_backward(self, inputs, others, out_grads):
         """One dynbatch-compiled batched backward of this graph; physical [B, ...] grads."""
         key = tuple(i for i, _ in out_grads)
         fn = self._batched_backwards.get(key)
@@ -227,8 +227,8 @@ def _dispatch_backward(region, originals, aliases, others, inner_outs, diff_outs
         key = tuple(i for i, _ in out_grads)
         if key not in region._batched_failed:
             try:
-                with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
-                    grads = region.batched_backward(originals, others, physical, batch_size)
+                with batching.unwrapped(out_grads) as (physical, _, rewrap):
+                    grads = region.batched_backward(originals, others, physical)
                 STATS.count(BATCHED)
                 return rewrap(grads)
             except Exception as e:  # noqa: BLE001 - the eager path below is always right
@@ -243,13 +243,10 @@ def _dispatch_backward(region, originals, aliases, others, inner_outs, diff_outs
 
 def _per_sample(batching, out_grads, grad_fn):
     with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
+        # Eager's vmap refuses B = 0 before any backward runs, so there is a sample.
         per_sample = [grad_fn([g[b] for _, g in physical]) for b in range(batch_size)]
-        grads = tuple(
-            None if per_sample[0][k] is None else torch.stack([s[k] for s in per_sample])
-            for k in range(len(per_sample[0]))
-        ) if batch_size else None
-        if grads is None:
-            raise RuntimeError("dynbatch: a batched backward with no samples")
+        grads = tuple(None if first is None else torch.stack([s[k] for s in per_sample])
+                      for k, first in enumerate(per_sample[0]))
     return rewrap(grads)
 
 
