@@ -301,6 +301,13 @@ def realized_graph_module(gm: Any) -> Any:
     return gm
 
 
+def graph_output_count(gm: Any) -> int:
+    """How many values a Dynamo graph returns (its output node's tuple)."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    return len(result) if isinstance(result, (tuple, list)) else 1
+
+
 def dynamo_disable(fn: Callable) -> Callable:
     """Keep Dynamo out of ``fn``: a backward of a compiled graph runs whenever the
     user calls it, perhaps under an active torch.compile frame, and dynbatch's own

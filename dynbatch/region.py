@@ -72,6 +72,8 @@ class Region:
             i for i, a in enumerate(example_inputs)
             if isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled()
         )
+        self.is_input = tuple(i in self.diff_args for i in range(len(example_inputs)))
+        self.n_outputs = _compat.graph_output_count(self.gm)
         self.random_ops = tuple(random_ops)
         self.mutates_differentiable_input = mutates_differentiable_input
         self._recompile = recompile  # fn -> dynbatch-compiled fn, with this graph's options
@@ -104,7 +106,7 @@ class Region:
         # Differentiating w.r.t. the saved inputs themselves stops at them; no
         # detached copy (requires_grad_() is refused under torch.func transforms).
         with torch.enable_grad():
-            outs = self.gm(*_merge(self.diff_args, inputs, others))
+            outs = self.gm(*_merge(self.is_input, inputs, others))
             pairs = [(outs[i], g) for i, g in out_grads]
             return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
                                        create_graph=create_graph, allow_unused=True)
@@ -114,7 +116,9 @@ class Region:
         key = tuple(i for i, _ in out_grads)
         fn = self._batched_backwards.get(key)
         if fn is None:
-            fn = self._batched_backwards[key] = self._recompile(_batched_backward_of(self.gm, self.diff_args, key))
+            receives = tuple(i in key for i in range(self.n_outputs))
+            fn = self._batched_backwards[key] = self._recompile(
+                _batched_backward_of(self.gm, self.is_input, receives))
         # Detached inputs that do not require grad make the batched backward an
         # inference graph (no second autograd layer around it) where Dynamo can
         # trace requires_grad_() inside it (torch 2.13+).
@@ -129,21 +133,42 @@ class Region:
             log.info(msg, *args)
 
 
-def _batched_backward_of(gm: torch.fx.GraphModule, diff_args: tuple[int, ...], out_idx: tuple[int, ...]):
+def _batched_backward_of(gm: torch.fx.GraphModule, is_input: tuple[bool, ...], receives: tuple[bool, ...]):
+    """The function dynbatch compiles for a batched backward of ``gm``.
+
+    Dynamo caches compiled code per code object: each region gets a code
+    object of its own, so regions neither share a cache (and its recompile
+    limit) nor make each other's closure values symbolic.  The closure holds
+    masks of bools, which Dynamo keeps as constants in any case (closure ints
+    that differ between calls become SymInts, which it mis-traced in ``in``
+    tests and indexing).
+    """
     def batched_backward(inputs, others, cotangents):
         inputs = [t if t.requires_grad else t.detach().requires_grad_() for t in inputs]
-        outs = gm(*_merge(diff_args, inputs, others))
-        return torch.autograd.grad([outs[i] for i in out_idx], inputs, cotangents,
+        outs = gm(*_merge(is_input, inputs, others))
+        return torch.autograd.grad([o for o, r in zip(outs, receives) if r], inputs, cotangents,
                                    is_grads_batched=True, allow_unused=True)
 
+    _batched_backward_of.made += 1
+    batched_backward.__code__ = batched_backward.__code__.replace(
+        co_name=f"batched_backward_{_batched_backward_of.made}")
     return batched_backward
 
 
-def _merge(diff_args: tuple[int, ...], inputs: Sequence[Any], others: Sequence[Any]) -> list[Any]:
+_batched_backward_of.made = 0
+
+
+def _merge(is_input: tuple[bool, ...], inputs: Sequence[Any], others: Sequence[Any]) -> list[Any]:
     """The graph's argument list from its differentiable inputs and the rest, in order."""
-    next_input, next_other = iter(inputs).__next__, iter(others).__next__
-    return [next_input() if i in diff_args else next_other()
-            for i in range(len(diff_args) + len(others))]
+    args, k, j = [], 0, 0
+    for input_here in is_input:
+        if input_here:
+            args.append(inputs[k])
+            k += 1
+        else:
+            args.append(others[j])
+            j += 1
+    return args
 
 
 def _why_run_eagerly(args: Sequence[Any]) -> str | None:

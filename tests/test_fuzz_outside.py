@@ -108,6 +108,8 @@ API = {
 # torch.func runs compiled functions eagerly (Dynamo steps aside under functorch
 # transforms), so the region's backward is not reached: nothing to count there.
 NO_REGION_BACKWARD = {"jacrev"}
+# Eager's batched grads through the region: its compiled batched backward must serve.
+COMPILED_BATCHED = {"batched", "jacobian_vectorize"}
 
 STATS = {"examples": 0, "calls": 0, **{name: 0 for name in API}}
 
@@ -129,6 +131,9 @@ def check(p: Program, api: str) -> None:
     if api not in NO_REGION_BACKWARD:
         assert counts.get("graphs", 0) >= 1, counts
         assert any(k.startswith("outside_") for k in counts), (api, counts)
+    if api in COMPILED_BATCHED:
+        # the batched backward compiled; the eager path is a fallback, not the plan
+        assert counts.get("outside_batched_compiled") and not counts.get("outside_eager"), (api, counts)
     STATS["examples"] += 1
     STATS[api] += 1
 

@@ -83,6 +83,21 @@ def test_batched_jacobian_of_a_compiled_model_runs_one_compiled_batched_backward
     assert len(batched_graphs) <= 3, [r.dynamo_graph for r in batched_graphs]
 
 
+def test_batched_grads_outside_a_dynamic_region_run_compiled():
+    # The second size recompiles the region with a SymInt among its arguments; its
+    # batched backward once failed to trace there and silently took the eager path.
+    def pair_sq(pos):
+        return (pos.unsqueeze(1) - pos.unsqueeze(0)).pow(2).sum(-1)
+
+    c = compiled(pair_sq)
+    for n in (4, 6, 8):
+        x = x64(n, 3, requires_grad=True)
+        V = torch.randn(5, n, n, dtype=torch.float64)
+        assert_same_grads(grad(c(x), x, V, is_grads_batched=True)[0],
+                          grad(pair_sq(x), x, V, is_grads_batched=True)[0], msg=f"n={n}")
+    assert paths() == {"outside_batched_compiled": 3}, paths()
+
+
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
 def test_loop_jacobian_and_hessian_of_a_compiled_model(options):
     model = mlp()
