@@ -240,14 +240,21 @@ def _dispatch_backward(region, originals, aliases, others, inner_outs, diff_outs
                          "re-running it eagerly for a differentiable backward")
         STATS.count(EAGER)
         return region.recompute_backward(originals, others, out_grads, create_graph=True)
+    def inner_backward(grads):
+        # retain_graph=True: the user's retain_graph is unknown here, so the inner graph
+        # is freed with this node instead.  AOTAutograd checks its *global* donated_buffer
+        # config when a backward retains the graph; dynbatch compiled this graph with
+        # donated buffers off (lowering.py), so the check does not apply to it.
+        with _compat.aot_config_patch(donated_buffer=False):
+            return torch.autograd.grad([inner[i] for i, _ in out_grads], aliases, grads,
+                                       retain_graph=True, allow_unused=True)
+
     if batching is None:
         STATS.count(PLAIN)
-        return torch.autograd.grad([inner[i] for i, _ in out_grads], aliases, [g for _, g in out_grads],
-                                   retain_graph=True, allow_unused=True)
+        return inner_backward([g for _, g in out_grads])
     if region.random_ops and batching.kind != "nested":
         STATS.count(LOOP)
-        return _per_sample(batching, out_grads, lambda gs: torch.autograd.grad(
-            [inner[i] for i, _ in out_grads], aliases, gs, retain_graph=True, allow_unused=True))
+        return _per_sample(batching, out_grads, inner_backward)
     if batching.kind == "legacy":
         key = tuple(i for i, _ in out_grads)
         if key not in region._batched_failed:

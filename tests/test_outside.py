@@ -194,6 +194,22 @@ def test_training_step_grads_equal_eager_and_retain_graph_works():
     assert_same_grads(tuple(got), tuple(p.grad for p in params))
 
 
+def test_training_after_a_dynamic_recompile():
+    # A new batch size recompiles with symbolic sizes, and AOTAutograd then compiles the
+    # backward lazily; its global donated-buffer check once refused the region's retained
+    # inner backward there (Inductor only).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    m = compiled(model, INDUCTOR)
+    params = list(model.parameters())
+    for rows in (8, 12, 16):
+        x = torch.randn(rows, 16)
+        for _ in range(2):
+            got = grad(m(x).pow(2).mean(), params)
+        assert_same_grads(got, grad(model(x).pow(2).mean(), params), msg=f"rows={rows}")
+    assert paths() == {"outside_plain": 6}
+
+
 def test_create_graph_third_order():
     f = compiled(lambda t: t.sin().prod())
     x = x64(3, requires_grad=True)
