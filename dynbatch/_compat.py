@@ -536,3 +536,83 @@ def make_boxed_func(fn: Callable) -> Callable:
     from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
 
     return _make_boxed_func(fn)
+
+
+# --- memory plan (memory.py, chunking.py) ---------------------------------------
+
+GRAD_NODE_META = "dynbatch_grad"  # node.meta key: the Dynamo grad node a batched_grad call came from
+
+
+def current_grad_node_name() -> str | None:
+    """The Dynamo grad node AOTAutograd is tracing now (it replays node meta while it traces)."""
+    meta = torch.fx.traceback.get_current_meta() if torch.fx.traceback.has_preserved_node_meta() else None
+    return (meta or {}).get(GRAD_NODE_META)
+
+
+def functorch_transform_active() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def is_view_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def add_shape_guard(condition: Any) -> None:
+    """Guard the compiled frame on a sympy condition of its size symbols (true at the example)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    if shape_env is not None:
+        shape_env.evaluate_expr(condition)
+
+
+def mark_batch_dynamic(t: torch.Tensor) -> None:
+    """Let Dynamo compile the batch dim of a chunk symbolic from the first call (no 0/1 specialisation
+    needed: chunks are split evenly and are never of size 1 unless every chunk is)."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def find_cause(e: BaseException, kind: type) -> Any:
+    """``e`` or the exception it wraps (Inductor and AOTAutograd wrap errors raised in inner compilers)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
+    return None
+
+
+def backed_hints(shape_env: Any) -> dict:
+    """Symbol -> value in the example inputs (renamed backed_var_to_val in torch 2.13)."""
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    return hints if hints is not None else shape_env.var_to_val
+
+
+# The dispatcher's thread-local key sets of plain user code (read when dynbatch loads).
+_USER_DISPATCH_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+@contextlib.contextmanager
+def outside_custom_op() -> Iterator[None]:
+    """Inside a custom op's kernel, as if called from user code: a kernel runs with every key
+    above the backend excluded (no autograd, no functorch), and no dispatch mode that
+    AOTAutograd's runtime set for its checks stays active (under one, Dynamo would not compile)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._ForceDispatchKeyGuard(*_USER_DISPATCH_KEYS):
+        yield
+
+
+def dynamo_skip_frame(fn: Callable) -> Callable:
+    """Dynamo does not trace ``fn``'s own frame, but compiled functions it calls still compile
+    (``disable``'s default, recursive, would run them eagerly)."""
+    return torch._dynamo.disable(fn, recursive=False, reason="dynbatch's chunk loop")
+
+
+def fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    value = module
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value

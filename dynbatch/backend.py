@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, batching, capture, lowering, region
+from . import _compat, batching, capture, chunking, lowering, memory, region
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -31,9 +31,10 @@ def dynbatch_backend(
     *,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    chunk_program: bool = False,
 ) -> Callable[..., Any]:
     opts = Options.from_compile_args(mode, options)
-    record = CompileRecord()
+    record = CompileRecord(chunk_program=chunk_program)
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
@@ -46,7 +47,7 @@ def dynbatch_backend(
         record.batched_graph = graph_text(result.graph_module, "batched")
 
     try:
-        compiled = lowering.lower(result.graph_module, example_inputs, opts, record)
+        compiled = _lower_within_budget(gm, result.graph_module, example_inputs, opts, record, mode, options)
     except _compat.restart_analysis_exceptions():
         raise  # Dynamo asks to re-trace the frame (e.g. to tensorify a float); not a failure
     except Exception as e:  # noqa: BLE001 - never hand back a graph we could not lower
@@ -54,8 +55,8 @@ def dynbatch_backend(
             raise
         return _fall_back(gm, record, opts, f"lowering the batched graph failed: {type(e).__name__}: {e}")
     STATS.add(record)
-    log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)",
-             len(record.batched), len(record.plain))
+    log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)%s",
+             len(record.batched), len(record.plain), _plan_text(record))
     # What a grad taken outside this graph gets: NOTE [Region backward] in region.py.
     return region.Region(
         gm, compiled, example_inputs,
@@ -65,9 +66,43 @@ def dynbatch_backend(
     )
 
 
-def _compile_like(fn: Callable, *, mode: str | None, options: dict[str, Any] | None) -> Callable:
+def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: CompileRecord,
+                         mode: str | None, options: dict[str, Any] | None):
+    """Lower the batched graph; where the memory plan asks, with grads run chunk by chunk
+    (NOTE [Chunked batched grads] in chunking.py)."""
+    planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size)
+    record.memory_budget = planner.budget
+    try:
+        compiled = lowering.lower(batched_gm, example_inputs, opts, record, planner)
+    except Exception as e:  # noqa: BLE001 - only a Replan is handled here
+        replan = _compat.find_cause(e, memory.Replan)
+        if replan is None:
+            raise
+        # A chunk program is compiled like this graph, without a budget.
+        unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None}
+        compile_program = functools.partial(_compile_like, mode=mode, options=unbudgeted, chunk_program=True)
+        chunked_gm, refused = chunking.chunk_grads(gm, batched_gm, replan.grads, planner, compile_program)
+        planner.refused.update(refused)
+        planner.chunked = tuple(g for g in replan.grads if g not in refused)
+        record.aten_graphs.clear()
+        record.aten_node_counts.clear()
+        compiled = lowering.lower(chunked_gm if planner.chunked else batched_gm, example_inputs, opts, record,
+                                  planner)
+    record.memory_plan = planner.records()
+    return compiled
+
+
+def _plan_text(record: CompileRecord) -> str:
+    parts = [f"{p.grad}: {p.bytes_per_sample} B/sample, B={p.batch}, "
+             + (f"chunks of {p.chunk_size} ({p.chunks} at this B)" if p.applied else f"unchunked ({p.reason})")
+             for p in record.memory_plan]
+    return f"; memory budget {record.memory_budget} B: " + "; ".join(parts) if parts else ""
+
+
+def _compile_like(fn: Callable, *, mode: str | None, options: dict[str, Any] | None,
+                  chunk_program: bool = False) -> Callable:
     """``fn`` compiled by dynbatch with a graph's own mode and options."""
-    backend = functools.partial(dynbatch_backend, mode=mode, options=options)
+    backend = functools.partial(dynbatch_backend, mode=mode, options=options, chunk_program=chunk_program)
     return torch.compile(fn, backend=backend, fullgraph=True)
 
 

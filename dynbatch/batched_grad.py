@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _compat, shape_checks
+from . import _compat, memory, shape_checks
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -81,7 +81,9 @@ def batched_grad(
         unused[:] = [g is None for g in grads]
         return tuple(g for g in grads if g is not None)
 
-    used_grads = iter(torch.func.vmap(vjp)(*cotangents))
+    # Markers around the batched backward let the memory plan find it (memory.py).
+    cotangents = memory.mark(cotangents, memory.COTANGENT, create_graph)
+    used_grads = iter(memory.mark(torch.func.vmap(vjp)(*cotangents), memory.GRAD, create_graph))
     result = tuple(None if is_unused else next(used_grads) for is_unused in unused)
     if materialize_grads:
         # Eager materialises unused grads unbatched (zeros_like(input)); match it.

@@ -20,6 +20,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from . import _compat
 from .batched_grad import batched_grad
 from .capture import TRACE_ERROR, UNSUPPORTED
 
@@ -63,6 +64,7 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
             unsupported.append(Unsupported(node.name, node.meta[UNSUPPORTED]))
         elif is_batched_grad_call(node):
             node.target = batched_grad
+            node.meta[_compat.GRAD_NODE_META] = node.name  # how the memory plan names it
             batched.append(node.name)
         else:
             plain.append(node.name)

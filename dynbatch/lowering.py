@@ -9,12 +9,13 @@ compilers are wrapped to keep the aten graph's text for the compile record.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
-from . import _compat, passes
+from . import _compat, memory, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
@@ -25,17 +26,24 @@ def lower(
     example_inputs: Sequence[Any],
     options: Options,
     record: CompileRecord,
+    planner: memory.Planner | None = None,
 ) -> Callable[..., Any]:
+    """Raises memory.Replan when the plan wants grads chunked (the backend rewrites and lowers again)."""
     # A backward taken from outside may run the compiled backward with
     # retain_graph=True (region.py), which donated buffers forbid.  Torch's
     # deprecation warnings about its own internals are not the user's to see.
-    with _compat.aot_config_patch(donated_buffer=False), _compat.torch_internal_deprecations_hidden():
+    planner = planner or memory.Planner(None, None)
+    with (_compat.aot_config_patch(donated_buffer=False), _compat.torch_internal_deprecations_hidden(),
+          memory.collecting() if planner.active else contextlib.nullcontext()):
         if options.inner_compiler == "inductor":
-            return _lower_with_inductor(gm, example_inputs, options, record)
-        return _lower_with_aot_eager(gm, example_inputs, options, record)
+            return _lower_with_inductor(gm, example_inputs, options, record, planner)
+        return _lower_with_aot_eager(gm, example_inputs, options, record, planner)
 
 
-def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool) -> None:
+def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool,
+              planner: memory.Planner, fused: bool) -> None:
+    # First the plan: it removes memory.py's markers, which no compiler or record should see.
+    planner.observe(gm, fused)
     record.aten_node_counts.append(count_nodes(gm))
     if keep_text:
         record.aten_graphs.append(graph_text(gm, title))
@@ -50,12 +58,12 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
             and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
 
 
-def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord):
+def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord, planner):
     inner = _compat.compile_fx_inner()
 
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
-        _remember(aten_gm, record, title, options.record_graphs)
+        _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
         with _compat.inductor_lowerings(_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT):
             return inner(aten_gm, aten_inputs, **kwargs)
 
@@ -103,10 +111,10 @@ _CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT = {
 }
 
 
-def _lower_with_aot_eager(gm, example_inputs, options: Options, record: CompileRecord):
+def _lower_with_aot_eager(gm, example_inputs, options: Options, record: CompileRecord, planner):
     def compiler(title: str):
         def compile_graph(aten_gm, aten_inputs):
-            _remember(aten_gm, record, title, options.record_graphs)
+            _remember(aten_gm, record, title, options.record_graphs, planner, fused=False)
             return _compat.make_boxed_func(aten_gm.forward)
 
         return compile_graph

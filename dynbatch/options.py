@@ -7,6 +7,7 @@ Keys that start with ``dynbatch.`` are dynbatch's; every other key, and
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Mapping
 
 from . import _compat
@@ -26,6 +27,12 @@ class Options:
     on_unsupported: str = "fallback"
     # Keep text snapshots of each compiled graph in dynbatch.compile_records().
     record_graphs: bool = True
+    # Bytes the B-dependent part of a batched backward may hold at once: an int,
+    # a string such as "256MiB" or "2GB", "auto" (AUTO_BUDGET_FRACTION of the
+    # memory free when the graph compiles) or None (no limit). memory.py.
+    memory_budget: int | str | None = "auto"
+    # Fixes the number of samples per chunk instead of deriving it from the budget.
+    chunk_size: int | None = None
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -50,6 +57,11 @@ class Options:
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
         if "record_graphs" in ours and not isinstance(ours["record_graphs"], bool):
             raise ValueError("dynbatch: option dynbatch.record_graphs takes a bool")
+        if "memory_budget" in ours:
+            ours["memory_budget"] = parse_memory_budget(ours["memory_budget"])
+        chunk = ours.get("chunk_size")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"dynbatch: option dynbatch.chunk_size={chunk!r}; give a positive int or None")
         inductor_config = _compat.inductor_config_patches(mode, inductor_options)
         return cls(**ours, inductor_config=inductor_config)
 
@@ -57,3 +69,26 @@ class Options:
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"dynbatch: option {PREFIX}{name}={value!r}; choose one of {list(choices)}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_budget(value: Any) -> int | str | None:
+    """``dynbatch.memory_budget`` as bytes, "auto" or None: 1_000_000, "256MiB", "2GB", "1.5 GiB"."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > 0:
+            return value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS:
+            size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            if size > 0:
+                return size
+    raise ValueError(
+        f"dynbatch: option dynbatch.memory_budget={value!r}; give a positive number of bytes (int), "
+        'a size such as "256MiB" or "2GB" (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "auto" or None'
+    )

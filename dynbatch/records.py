@@ -26,6 +26,9 @@ class CompileRecord:
     fallback_reason: str | None = None
     random_ops: tuple[str, ...] = ()  # aten ops that draw random numbers (no re-run for a backward)
     mutates_differentiable_input: bool = False  # an input that requires grad is written in place
+    memory_budget: int | None = None  # bytes, as resolved when the graph compiled (memory.py)
+    memory_plan: list = dataclasses.field(default_factory=list)  # memory.GradPlan per batched grad
+    chunk_program: bool = False  # compiled as the chunk program of a chunked grad (chunking.py)
 
     @property
     def fell_back(self) -> bool:
@@ -50,6 +53,9 @@ class Stats:
     def add(self, record: CompileRecord) -> None:
         with self._lock:
             self.records.append(record)
+            if record.chunk_program:
+                self.counters["chunk_programs"] += 1
+                return
             self.counters["graphs"] += 1
             self.counters["grads_batched"] += len(record.batched)
             self.counters["grads_plain"] += len(record.plain)
@@ -58,6 +64,7 @@ class Stats:
                 self.fallback_reasons[record.fallback_reason] += 1
             elif record.batched:
                 self.counters["graphs_batched"] += 1
+            self.counters["grads_chunked"] += sum(p.applied for p in record.memory_plan)
 
 
 STATS = Stats()

@@ -1,0 +1,361 @@
+"""Stage 3c: batched grads run chunk by chunk within a memory budget.
+
+NOTE [Chunked batched grads]
+Chunks written into the graph do not bound memory under Inductor: the chunks
+are independent loops of the same shape, and its CPU backend fuses them into
+one kernel whose buffers, every chunk's, are allocated before it runs (a
+user's loop of 9 batched grads of 100 cotangents peaks as one grad of 900;
+``vmap(chunk_size=)`` under torch.compile likewise).  So a grad the plan
+chunks (memory.py) leaves the graph: its node becomes one opaque op,
+``dynbatch::chunked_grad``, which AOTAutograd traces through its fake
+implementation and Inductor calls as an extern kernel.  At run time the op
+loops over chunks of the cotangents, and each chunk calls a *chunk program*:
+the part of the captured graph between the grad's inputs and its outputs,
+re-run on fresh leaves, then the batched grad of the chunk.  The program is
+compiled by dynbatch itself (without a budget) with the chunk's batch dim
+symbolic, so one compiled program serves every chunk, the ragged last one
+included, and its intermediates are freed when each call returns.  Chunks
+are split evenly (sizes differ by at most one), and the chunk size follows
+from the budget and the sizes of each call (memory.Estimate).
+
+The price is one re-run of the forward part per chunk; the grad's results
+are written into one preallocated output.  A grad is not chunked (and the
+plan says why) where a re-run would not reproduce the original: random ops,
+in-place writes, grad-mode or autocast changes in the graph, or an inner grad
+taken with respect to a tensor upstream of the batched grad's inputs; nor
+where its results must stay differentiable (``create_graph=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import logging
+import math
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from . import _compat, memory
+from .batched_grad import batched_grad
+
+log = logging.getLogger("dynbatch")
+
+_GRAD_SIGNATURE = inspect.signature(batched_grad)
+_PROGRAMS: dict[str, "ChunkProgram"] = {}  # key -> program; keys are content hashes (see _key)
+
+# Targets whose effect is on global state, not on their arguments: re-running a
+# slice of the graph without them would run it under another mode.
+_GLOBAL_STATE_WORDS = ("set_grad_enabled", "autocast", "_functorch", "vmap", "inference_mode")
+
+
+@dataclasses.dataclass
+class ChunkProgram:
+    key: str
+    gm: torch.fx.GraphModule  # the chunk program, compiled at its first run
+    used: tuple[bool, ...]  # which of the grad's inputs get a grad (not None)
+    dep_requires_grad: tuple[bool, ...]  # deps to pass as fresh leaves that require grad
+    estimate: memory.Estimate | None
+    planner: memory.Planner
+    bind: Callable[[Sequence[Any]], dict] | None
+    compile: Callable[[torch.fx.GraphModule], Callable]
+    fn: Callable[..., Any] | None = None
+
+    def compiled(self) -> Callable[..., Any]:
+        if self.fn is None:
+            # Code FX generates while Dynamo compiles is marked for Dynamo to skip
+            # (convert_frame's guard against compiling its own output): generate it anew.
+            self.gm.recompile()
+            self.fn = self.compile(self.gm)
+        return self.fn
+
+    def chunk_size(self, args: Sequence[Any]) -> int:
+        if self.planner.fixed_chunk is not None or self.estimate is None:
+            return self.planner.fixed_chunk or 1
+        return self.planner.chunk_size(self.estimate, self.bind(args))
+
+    def run(self, inputs, deps, ints, cotangents) -> list[torch.Tensor]:
+        batch = cotangents[0].shape[0]
+        size = max(1, min(batch, self.chunk_size([*inputs, *deps, *ints, *cotangents])))
+        chunks = math.ceil(batch / size) if batch else 0
+        outs = [x.new_empty((batch, *x.shape)) for x, used in zip(inputs, self.used) if used]
+        with torch.enable_grad():
+            leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
+                lambda t: t.detach().requires_grad_())
+            leaves = [leaf(x) for x in inputs]
+            deps = [leaf(d) if rg else d.detach() for d, rg in zip(deps, self.dep_requires_grad)]
+            start = 0
+            for k in range(chunks):
+                n = batch // chunks + (k < batch % chunks)
+                pieces = [c.narrow(0, start, n) for c in cotangents]
+                for p in pieces:
+                    _compat.mark_batch_dynamic(p)
+                grads = self.compiled()(*leaves, *deps, *ints, *pieces)
+                for out, g in zip(outs, grads):
+                    out.narrow(0, start, n).copy_(g)
+                del grads
+                start += n
+        return outs
+
+    def fake(self, inputs, cotangents) -> list[torch.Tensor]:
+        batch = cotangents[0].shape[0]
+        return [x.new_empty((batch, *x.shape)) for x, used in zip(inputs, self.used) if used]
+
+
+@torch.library.custom_op("dynbatch::chunked_grad", mutates_args=())
+def chunked_grad(key: str, inputs: list[torch.Tensor], deps: list[torch.Tensor], ints: list[int],
+                 cotangents: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One batched grad run chunk by chunk through its compiled chunk program."""
+    return _run(_PROGRAMS[key], inputs, deps, ints, cotangents)
+
+
+# Runs inside a compiled graph, perhaps under an active Dynamo frame: plumbing, not
+# user code to trace; the chunk program it calls is compiled on its own.
+@_compat.dynamo_skip_frame
+def _run(program: ChunkProgram, *args: Any) -> list[torch.Tensor]:
+    with _compat.outside_custom_op():
+        return program.run(*args)
+
+
+@chunked_grad.register_fake
+def _(key, inputs, deps, ints, cotangents):
+    return _PROGRAMS[key].fake(inputs, cotangents)
+
+
+# --- the rewrite ----------------------------------------------------------------
+
+class Refused(Exception):
+    """This grad cannot be chunked; the message says why."""
+
+
+def chunk_grads(
+    original: torch.fx.GraphModule,
+    batched: torch.fx.GraphModule,
+    names: Sequence[str],
+    planner: memory.Planner,
+    compile_program: Callable[[torch.fx.GraphModule], Callable],
+) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+    """A copy of ``batched`` whose grads ``names`` call ``dynbatch::chunked_grad``; and the refused ones.
+
+    Chunk programs are cut from ``original`` (Dynamo's graph, with
+    ``torch.autograd.grad`` nodes): dynbatch compiles them as it compiles any
+    captured graph.
+    """
+    refused: dict[str, str] = {}
+    global_state = _global_state_nodes(original.graph)
+    new_gm = torch.fx.GraphModule(batched, _copy(batched.graph), batched.__class__.__name__)
+    new_gm.meta.update(getattr(batched, "meta", {}))
+    by_name = {n.name: n for n in original.graph.nodes}
+    new_by_name = {n.name: n for n in new_gm.graph.nodes}
+    for name in names:
+        try:
+            if global_state:
+                raise Refused(f"the graph changes global state ({global_state[0]}); a re-run of part of it "
+                              "would run in another mode")
+            program, args = _cut_program(original, by_name[name], planner, compile_program)
+            _replace(new_gm.graph, new_by_name[name], program, args, new_by_name)
+        except Refused as why:
+            refused[name] = str(why)
+            log.info("dynbatch: %s runs unchunked: %s", name, why)
+    new_gm.graph.eliminate_dead_code()
+    new_gm.recompile()
+    return new_gm, refused
+
+
+def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    new._codegen = graph._codegen
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
+def _global_state_nodes(graph: torch.fx.Graph) -> list[str]:
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_function":
+            name = getattr(node.target, "__name__", str(node.target))
+            if any(w in name for w in _GLOBAL_STATE_WORDS):
+                found.append(name)
+    return found
+
+
+def _bound(node: torch.fx.Node) -> dict[str, Any]:
+    bound = _GRAD_SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _nodes(x: Any) -> list:
+    if isinstance(x, torch.fx.Node):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if x is None:
+        return []
+    raise Refused(f"unexpected argument {x!r}")
+
+
+def _val(node: torch.fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram, dict[str, list]]:
+    args = _bound(node)
+    if args["create_graph"]:
+        raise Refused("create_graph=True: the grads must stay differentiable")
+    outputs, inputs = _nodes(args["outputs"]), _nodes(args["inputs"])
+    cotangents = _nodes(args["grad_outputs"])[: len(outputs)]
+    if not all(isinstance(a, torch.fx.Node) for a in (*outputs, *inputs)):
+        raise Refused("outputs and inputs must be tensors of the graph")
+    if not cotangents or any(not isinstance(c, torch.fx.Node) for c in cotangents):
+        raise Refused("every output needs a batched grad_output")
+    result = _val(node)
+    used = tuple(g is not None for g in result)
+    if args["materialize_grads"] and not all(used):
+        raise Refused("materialize_grads with unused inputs")
+    users = list(node.users)
+    if any(u.target is not operator.getitem for u in users):
+        raise Refused("its result is used other than by indexing")
+    if any(not used[u.args[1]] for u in users):
+        raise Refused(f"{users[0].name} reads a grad that is None")
+
+    # The part of the graph a re-run needs: every node on a path from an input to an output.
+    after_inputs = _descendants(inputs)
+    before_outputs = _ancestors(outputs) | set(outputs)
+    part = [n for n in original.graph.nodes if n in after_inputs and n in before_outputs]
+    if not set(outputs) <= set(part):
+        raise Refused("an output does not depend on the inputs")
+    upstream = _ancestors(inputs)
+    for n in part:
+        _check_rerunnable(n, upstream)
+    in_part = set(part) | set(inputs)
+    deps, ints, pulled = [], [], []
+    _collect_deps(part, in_part, deps, ints, pulled)
+    body = [n for n in original.graph.nodes if n in set(part) | set(pulled)]
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    dep_requires_grad = tuple(bool(getattr(_val(d), "requires_grad", False)) for d in deps)
+    for i, n in enumerate(inputs):
+        env[n] = _leaf(graph, graph.placeholder(f"input_{i}"))
+    for i, (n, rg) in enumerate(zip(deps, dep_requires_grad)):
+        env[n] = _leaf(graph, graph.placeholder(f"dep_{i}")) if rg else graph.placeholder(f"dep_{i}")
+    for i, n in enumerate(ints):
+        env[n] = graph.placeholder(f"int_{i}")
+    cot_args = [graph.placeholder(f"cotangent_{i}") for i in range(len(cotangents))]
+    for n in body:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    kwargs = {k: v for k, v in args.items() if k not in ("outputs", "inputs", "grad_outputs")}
+    kwargs.update(is_grads_batched=True, retain_graph=False)
+    grad = graph.call_function(torch.autograd.grad, ([env[o] for o in outputs], [env[i] for i in inputs],
+                                                     cot_args), kwargs)
+    graph.output(tuple(graph.call_function(operator.getitem, (grad, i))
+                       for i, u in enumerate(used) if u))
+    # A fresh root holding only what the program reads: Dynamo's own graph module
+    # is not one Dynamo would trace again.
+    attributes = {n.target: _compat.fetch_attr(original, n.target) for n in body if n.op == "get_attr"}
+    program_gm = torch.fx.GraphModule(attributes, graph, "ChunkProgram")
+
+    estimate = planner.estimates.get(node.name)
+    op_args = [*inputs, *deps, *ints, *cotangents]
+    bind = memory.binder(estimate, [_val(a) for a in op_args]) if estimate is not None else None
+    key = _key(program_gm, planner)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = ChunkProgram(
+            key, program_gm, used, dep_requires_grad, estimate, planner, bind, compile_program)
+    return _PROGRAMS[key], {"inputs": inputs, "deps": deps, "ints": ints, "cotangents": cotangents}
+
+
+def _leaf(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+    """Where Dynamo traces ``requires_grad_()`` (torch 2.13+), the program makes its own leaves
+    from detached inputs and compiles as an inference graph; before, it takes leaves."""
+    if not _compat.DYNAMO_TRACES_REQUIRES_GRAD_:
+        return x
+    return graph.call_method("requires_grad_", (graph.call_method("detach", (x,)),))
+
+
+def _key(program_gm: torch.fx.GraphModule, planner: memory.Planner) -> str:
+    # A content hash: a compiled graph that names it (e.g. from a cache) always means this program.
+    text = f"{program_gm.code}|{planner.budget}|{planner.fixed_chunk}|{id(planner)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _check_rerunnable(n: torch.fx.Node, upstream: set) -> None:
+    target = n.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    if n.op == "call_method" and name.endswith("_") and name not in ("requires_grad_",):
+        raise Refused(f"{n.name} writes in place ({name})")
+    if n.op == "call_function" and target in (operator.setitem,):
+        raise Refused(f"{n.name} writes in place (setitem)")
+    if n.op == "call_function" and any(w in str(name).lower() for w in ("rand", "dropout", "bernoulli", "normal")):
+        raise Refused(f"{n.name} draws random numbers ({name}); a re-run would draw others")
+    if n.op == "call_function" and target is torch.autograd.grad:
+        for x in _nodes(_bound(n)["inputs"]):
+            if x in upstream:
+                raise Refused(f"{n.name} differentiates with respect to {x.name}, upstream of the batched "
+                              "grad's inputs")
+
+
+def _collect_deps(part, in_part: set, deps: list, ints: list, pulled: list) -> None:
+    """Values the part reads from the rest of the graph: tensors and ints are passed in;
+    other values (shapes, tuples) are recomputed from their own inputs."""
+    todo = [a for n in part for a in n.all_input_nodes]
+    seen = set()
+    while todo:
+        a = todo.pop()
+        if a in in_part or a in seen:
+            continue
+        seen.add(a)
+        v = _val(a)
+        if isinstance(v, torch.Tensor):
+            deps.append(a)
+        elif isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) and a.op == "placeholder":
+            ints.append(a)
+        elif a.op == "call_function":
+            pulled.append(a)
+            todo.extend(a.all_input_nodes)
+        else:
+            raise Refused(f"it reads {a.name} ({type(v).__name__}), which a chunk program cannot take")
+    order = {n: i for i, n in enumerate(part[0].graph.nodes)} if part else {}
+    deps.sort(key=order.get)
+    ints.sort(key=order.get)
+
+
+def _descendants(roots) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _ancestors(roots) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        for arg in todo.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return seen
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, program: ChunkProgram, args: dict, by_name) -> None:
+    def here(nodes):
+        return [by_name[n.name] for n in nodes]
+
+    with graph.inserting_before(node):
+        # The op has no autograd formula; its results, like the grad's, do not require grad.
+        inputs, deps, cotangents = ([graph.call_method("detach", (x,)) for x in here(args[k])]
+                                    for k in ("inputs", "deps", "cotangents"))
+        op = graph.call_function(torch.ops.dynbatch.chunked_grad.default,
+                                 (program.key, inputs, deps, here(args["ints"]), cotangents))
+    positions = [i for i, u in enumerate(program.used) if u]
+    for user in list(node.users):
+        user.args = (op, positions.index(user.args[1]))
+    graph.erase_node(node)

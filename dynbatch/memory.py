@@ -1,0 +1,355 @@
+"""Stage 3b: the memory plan of each batched grad, from its traced backward.
+
+A batched backward holds B copies of every intermediate that depends on the
+cotangents, so its memory grows with B.  While AOTAutograd traces the batched
+graph, ``batched_grad`` brackets each batched backward with marker ops
+(cotangents in, grads out).  :func:`observe` finds the nodes between the
+markers in the aten graph, replays their allocations in graph order (views
+and expands allocate nothing; a buffer is freed after its last use) and
+keeps, for each step, the bytes alive as a sympy expression of the graph's
+size symbols.  Divided by B, the largest of them is the backward's bytes per
+sample: an upper bound for Inductor, which fuses many of those buffers away.
+The markers are then removed, so the inner compiler never sees them.
+
+:class:`Planner` turns the estimates and ``dynbatch.memory_budget`` /
+``dynbatch.chunk_size`` into the decision the backend acts on
+(NOTE [Chunked batched grads] in chunking.py): which batched grads run chunk
+by chunk, and how a chunk size follows from the sizes of each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from . import _compat
+
+log = logging.getLogger("dynbatch")
+
+# "auto" budgets this fraction of the memory free on the device when a graph
+# compiles: a call may hold its inputs, outputs and the unbatched forward too.
+AUTO_BUDGET_FRACTION = 0.5
+
+COTANGENT, GRAD = 0, 1  # marker roles
+
+
+# --- markers ------------------------------------------------------------------
+
+@torch.library.custom_op("dynbatch::batch_marker", mutates_args=())
+def batch_marker(x: torch.Tensor, grad: str, role: int) -> torch.Tensor:
+    """Identity that brackets one batched backward in the traced graph (removed before lowering)."""
+    return x.clone()
+
+
+@batch_marker.register_fake
+def _(x, grad, role):
+    # Same strides as x: users traced on the marker stay valid once it is removed.
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+
+_collecting = threading.local()
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[None]:
+    """While AOTAutograd traces a dynbatch graph: batched_grad emits markers."""
+    previous = getattr(_collecting, "on", False)
+    _collecting.on = True
+    try:
+        yield
+    finally:
+        _collecting.on = previous
+
+
+def mark(tensors: Sequence[torch.Tensor | None], role: int, create_graph: bool) -> tuple:
+    """Bracket a batched backward, when a plan is being collected and chunking could apply."""
+    grad = _compat.current_grad_node_name()
+    if (not getattr(_collecting, "on", False) or grad is None or create_graph
+            or _compat.functorch_transform_active()
+            or any(t is not None and t.requires_grad for t in tensors)):
+        return tuple(tensors)
+    return tuple(None if t is None else batch_marker(t, grad, role) for t in tensors)
+
+
+def _is_marker(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.dynbatch.batch_marker.default
+
+
+# --- the estimate ---------------------------------------------------------------
+
+@dataclasses.dataclass
+class Estimate:
+    """The B-dependent memory of one batched backward, as functions of the size symbols."""
+
+    grad: str  # the Dynamo grad node
+    batch: sympy.Expr  # B
+    live: tuple[sympy.Expr, ...]  # bytes alive at each step of the backward (deduplicated)
+    hints: dict[sympy.Symbol, int]  # the symbols' values in the example inputs
+
+    def __post_init__(self):
+        self.symbols = tuple(sorted({s for e in (self.batch, *self.live) for s in e.free_symbols}, key=str))
+        # Evaluated at every chunked call: compiled once, not sympy's subs.
+        self._evaluate = sympy.lambdify(self.symbols, [self.batch, *self.live], modules="math")
+
+    def bytes_per_sample(self, values: dict[sympy.Symbol, int] | None = None) -> int:
+        values = {**self.hints, **(values or {})}
+        batch, *live = self._evaluate(*(values[s] for s in self.symbols))
+        return math.ceil(max(live, default=0) / max(1, batch))
+
+    def example_batch(self) -> int:
+        return int(self.batch.subs(self.hints))
+
+    def peak(self) -> sympy.Expr:
+        """The step with the most bytes alive at the example sizes."""
+        return max(self.live, key=lambda e: e.subs(self.hints), default=sympy.Integer(0))
+
+
+def observe(gm: torch.fx.GraphModule, fused: bool = False) -> dict[str, Estimate]:
+    """Estimate every marked batched backward of ``gm``, then remove the markers.
+
+    ``fused``: the graph goes to Inductor, which computes a pointwise op inside
+    the kernel of its one pointwise consumer instead of storing it."""
+    markers = [n for n in gm.graph.nodes if _is_marker(n)]
+    if not markers:
+        return {}
+    estimates = {}
+    for grad in dict.fromkeys(n.args[1] for n in markers):
+        mine = [n for n in markers if n.args[1] == grad]
+        cotangents = [n for n in mine if n.args[2] == COTANGENT]
+        grads = [n for n in mine if n.args[2] == GRAD]
+        if cotangents and grads:
+            estimates[grad] = _estimate(gm.graph, grad, cotangents, grads, fused)
+    for node in markers:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return estimates
+
+
+def _estimate(graph: torch.fx.Graph, grad: str, cotangents, grads, fused: bool) -> Estimate:
+    region = _descendants(cotangents) & _ancestors(grads)
+    order = [n for n in graph.nodes if n in region and not _is_marker(n)]
+    last_use = {}
+    for i, node in enumerate(order):
+        for arg in node.all_input_nodes:
+            last_use[arg] = i
+    live: dict[torch.fx.Node, sympy.Expr] = {}
+    steps = set()
+    for i, node in enumerate(order):
+        live[node] = sympy.Integer(0) if fused and _fuses_into_its_user(node) else _allocated_bytes(node)
+        steps.add(sympy.expand(sum(live.values(), sympy.Integer(0))))
+        for arg in node.all_input_nodes:
+            if last_use.get(arg) == i and arg in live:
+                del live[arg]
+    batch = sympy.sympify(cotangents[0].meta["val"].shape[0])
+    hints = _hints([n.meta.get("val") for n in order] + [cotangents[0].meta["val"]])
+    return Estimate(grad, batch, tuple(s for s in steps if s != 0), hints)
+
+
+def _descendants(roots) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _ancestors(roots) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return seen
+
+
+def _allocated_bytes(node: torch.fx.Node) -> sympy.Expr:
+    """Bytes a node's outputs allocate; views and expands share their input's storage."""
+    target = node.target
+    if node.op != "call_function" or _compat.is_view_op(target):
+        return sympy.Integer(0)
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    total = sympy.Integer(0)
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            total += sympy.Mul(*[sympy.sympify(s) for s in v.shape]) * v.dtype.itemsize
+    return total
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _fuses_into_its_user(node: torch.fx.Node) -> bool:
+    """A pointwise op whose value, through views, is read by one pointwise op.  (Into a
+    reduction Inductor fuses it too, unless their loop orders differ: counted, to stay an
+    upper bound.)"""
+    if not _pointwise(node):
+        return False
+    users, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if _compat.is_view_op(user.target):
+            todo.extend(user.users)
+        else:
+            users.append(user)
+    return len(users) == 1 and _pointwise(users[0])
+
+
+def _hints(vals) -> dict[sympy.Symbol, int]:
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
+            if env is not None:
+                return {s: int(h) for s, h in _compat.backed_hints(env).items()}
+    return {}
+
+
+# --- the budget and the plan ------------------------------------------------------
+
+def auto_budget(device: torch.device) -> int:
+    """AUTO_BUDGET_FRACTION of the memory free on ``device`` now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _available_ram()
+    return int(free * AUTO_BUDGET_FRACTION)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclasses.dataclass
+class GradPlan:
+    """What the plan is for one batched grad; kept in ``CompileRecord.memory_plan``."""
+
+    grad: str
+    bytes_per_sample: int  # at the example sizes
+    batch: int  # B at the example
+    chunk_size: int | None  # at the example sizes; None: not chunked
+    chunks: int
+    applied: bool
+    reason: str = ""  # why not chunked, or why it is
+
+
+class Replan(Exception):
+    """Raised from the inner compile: these grads must run chunked; lower again."""
+
+    def __init__(self, grads: Sequence[str]):
+        super().__init__(f"chunk {list(grads)}")
+        self.grads = tuple(grads)
+
+
+class Planner:
+    """Decides, from the estimates of one graph's batched grads, which run in chunks."""
+
+    def __init__(self, budget: int | None, chunk_size: int | None):
+        self.budget = budget
+        self.fixed_chunk = chunk_size
+        self.estimates: dict[str, Estimate] = {}
+        self.chunked: tuple[str, ...] = ()  # set by the backend once it lowers the chunked graph
+        self.refused: dict[str, str] = {}  # grad -> why it cannot be chunked
+
+    @property
+    def active(self) -> bool:
+        return self.budget is not None or self.fixed_chunk is not None
+
+    def chunk_size(self, estimate: Estimate, values: dict[sympy.Symbol, int] | None = None) -> int:
+        if self.fixed_chunk is not None:
+            return self.fixed_chunk
+        return max(1, self.budget // max(1, estimate.bytes_per_sample(values)))
+
+    def observe(self, gm: torch.fx.GraphModule, fused: bool = False) -> None:
+        """Called by the inner compile on each aten graph: estimate, decide, maybe ask to re-lower."""
+        found = observe(gm, fused)
+        if not self.active or not found:
+            return
+        first_time = not self.estimates
+        self.estimates.update(found)
+        if not first_time:
+            return
+        wanted = self._wanted(found)
+        if wanted:
+            raise Replan(wanted)
+        self._guard_fits(found)
+
+    def _wanted(self, found: dict[str, Estimate]) -> list[str]:
+        candidates = [g for g in found if g not in self.refused]
+        if self.fixed_chunk is not None:
+            return [g for g in candidates if found[g].example_batch() > self.fixed_chunk]
+        # Inductor may fuse independent backwards into one kernel and hold them
+        # all at once (a user's own loop over chunks): the graph's total counts.
+        total = sum(e.bytes_per_sample() * e.example_batch() for e in found.values())
+        return candidates if total > self.budget else []
+
+    def _guard_fits(self, found: dict[str, Estimate]) -> None:
+        """Not chunked because it fits: a larger B (or size) that would not fit must recompile."""
+        if self.fixed_chunk is not None:
+            return
+        total = sum((e.peak() for e in found.values()), sympy.Integer(0))
+        if total.free_symbols:
+            _compat.add_shape_guard(sympy.Le(total, self.budget))
+
+    def records(self) -> list[GradPlan]:
+        plans = []
+        for grad, estimate in self.estimates.items():
+            per_sample, batch = estimate.bytes_per_sample(), estimate.example_batch()
+            if grad in self.chunked:
+                chunk = min(batch, self.chunk_size(estimate))
+                plans.append(GradPlan(grad, per_sample, batch, chunk, math.ceil(batch / chunk), True))
+            else:
+                reason = self.refused.get(grad) or ("fits the budget" if self.active else "no budget")
+                plans.append(GradPlan(grad, per_sample, batch, None, 1, False, reason))
+        return plans
+
+
+def resolve_budget(budget: int | str | None, example_inputs: Sequence[Any]) -> int | None:
+    if budget != "auto":
+        return budget
+    devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
+    device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
+    return auto_budget(device)
+
+
+def binder(estimate: Estimate, args: Sequence[Any]) -> Callable[[Sequence[Any]], dict[sympy.Symbol, int]]:
+    """Where each size symbol of ``estimate`` can be read off real arguments shaped like ``args``."""
+    wanted = {s for e in estimate.live for s in e.free_symbols} | estimate.batch.free_symbols
+    where = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            for d, size in enumerate(a.shape):
+                expr = sympy.sympify(size)
+                if isinstance(expr, sympy.Symbol) and expr in wanted and expr not in where:
+                    where[expr] = (i, d)
+        elif isinstance(a, torch.SymInt):
+            expr = sympy.sympify(a)
+            if isinstance(expr, sympy.Symbol) and expr in wanted and expr not in where:
+                where[expr] = (i, None)
+
+    def bind(real_args: Sequence[Any]) -> dict[sympy.Symbol, int]:
+        return {s: int(real_args[i] if d is None else real_args[i].shape[d]) for s, (i, d) in where.items()}
+
+    return bind
