@@ -47,6 +47,7 @@ log = logging.getLogger("dynbatch")
 
 _GRAD_SIGNATURE = inspect.signature(batched_grad)
 _PROGRAMS: dict[str, "ChunkProgram"] = {}  # key -> program; keys are content hashes (see _key)
+_COMPILED: dict[str, Callable] = {}  # program code and options -> its compiled function, shared by graphs
 
 # Targets whose effect is on global state, not on their arguments: re-running a
 # slice of the graph without them would run it under another mode.
@@ -63,6 +64,7 @@ class ChunkProgram:
     planner: memory.Planner
     bind: Callable[[Sequence[Any]], dict] | None
     compile: Callable[[torch.fx.GraphModule], Callable]
+    compile_key: str  # what, besides its code, the compiled program depends on
     fn: Callable[..., Any] | None = None
 
     def compiled(self) -> Callable[..., Any]:
@@ -70,7 +72,13 @@ class ChunkProgram:
             # Code FX generates while Dynamo compiles is marked for Dynamo to skip
             # (convert_frame's guard against compiling its own output): generate it anew.
             self.gm.recompile()
-            self.fn = self.compile(self.gm)
+            # The static and the dynamic graph of one function cut the same program:
+            # one compiled program (and Dynamo's guards in it) serves both.
+            constants = any(n.op == "get_attr" for n in self.gm.graph.nodes)
+            shared = f"{self.gm.code}|{self.compile_key}|{id(self.gm) if constants else ''}"
+            if shared not in _COMPILED:
+                _COMPILED[shared] = self.compile(self.gm)
+            self.fn = _COMPILED[shared]
         return self.fn
 
     def chunk_size(self, args: Sequence[Any]) -> int:
@@ -161,9 +169,17 @@ def chunk_grads(
         except Refused as why:
             refused[name] = str(why)
             log.info("dynbatch: %s runs unchunked: %s", name, why)
-    new_gm.graph.eliminate_dead_code()
+    new_gm.graph.eliminate_dead_code(is_impure_node=_has_effects)
     new_gm.recompile()
     return new_gm, refused
+
+
+def _has_effects(node: torch.fx.Node) -> bool:
+    """What dead-code elimination must keep in a Dynamo graph: besides FX's impure nodes,
+    in-place methods (``x.requires_grad_()`` is read through ``x``) and global-state calls."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (node.is_impure() or (node.op == "call_method" and name.endswith("_"))
+            or (node.op == "call_function" and name.startswith("set_")))
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -266,7 +282,8 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
     key = _key(program_gm, planner)
     if key not in _PROGRAMS:
         _PROGRAMS[key] = ChunkProgram(
-            key, program_gm, used, dep_requires_grad, estimate, planner, bind, compile_program)
+            key, program_gm, used, dep_requires_grad, estimate, planner, bind, compile_program,
+            repr(getattr(compile_program, "keywords", compile_program)))
     return _PROGRAMS[key], {"inputs": inputs, "deps": deps, "ints": ints, "cotangents": cotangents}
 
 
@@ -275,7 +292,11 @@ def _leaf(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
     from detached inputs and compiles as an inference graph; before, it takes leaves."""
     if not _compat.DYNAMO_TRACES_REQUIRES_GRAD_:
         return x
-    return graph.call_method("requires_grad_", (graph.call_method("detach", (x,)),))
+    leaf = graph.call_method("detach", (x,))
+    # Later nodes read the tensor requires_grad_() changed in place, as user code does:
+    # Dynamo tracks the change on that tensor, not on the method's return value.
+    graph.call_method("requires_grad_", (leaf,))
+    return leaf
 
 
 def _key(program_gm: torch.fx.GraphModule, planner: memory.Planner) -> str:

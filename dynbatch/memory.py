@@ -39,6 +39,12 @@ log = logging.getLogger("dynbatch")
 # compiles: a call may hold its inputs, outputs and the unbatched forward too.
 AUTO_BUDGET_FRACTION = 0.5
 
+# Several batched grads in one graph whose B-dependent memory adds up to more
+# than this run one after another (each within the budget), even if together
+# they fit the budget: a user's loop over chunks should peak at one chunk, as
+# it does eagerly.  Below it, the chunk loop's per-call overhead is not worth it.
+SEPARATE_ABOVE = 64 * 2**20
+
 COTANGENT, GRAD = 0, 1  # marker roles
 
 
@@ -299,19 +305,26 @@ class Planner:
     def _wanted(self, found: dict[str, Estimate]) -> list[str]:
         candidates = [g for g in found if g not in self.refused]
         if self.fixed_chunk is not None:
-            return [g for g in candidates if found[g].example_batch() > self.fixed_chunk]
-        # Inductor may fuse independent backwards into one kernel and hold them
-        # all at once (a user's own loop over chunks): the graph's total counts.
-        total = sum(e.bytes_per_sample() * e.example_batch() for e in found.values())
-        return candidates if total > self.budget else []
+            # A symbolic B may grow past the chunk at any call: always through the chunk loop.
+            return [g for g in candidates
+                    if found[g].batch.free_symbols or found[g].example_batch() > self.fixed_chunk]
+        totals = {g: e.bytes_per_sample() * e.example_batch() for g, e in found.items()}
+        if sum(totals.values()) > self.budget:
+            return candidates
+        # Inductor may fuse independent batched backwards (a user's own loop over chunks)
+        # into one kernel that holds them all at once: large ones run one after another.
+        if len(totals) > 1 and sum(totals.values()) > SEPARATE_ABOVE:
+            return candidates
+        return []
 
     def _guard_fits(self, found: dict[str, Estimate]) -> None:
         """Not chunked because it fits: a larger B (or size) that would not fit must recompile."""
         if self.fixed_chunk is not None:
             return
         total = sum((e.peak() for e in found.values()), sympy.Integer(0))
+        limit = min(self.budget, SEPARATE_ABOVE) if len(found) > 1 else self.budget
         if total.free_symbols:
-            _compat.add_shape_guard(sympy.Le(total, self.budget))
+            _compat.add_shape_guard(sympy.Le(total, limit))
 
     def records(self) -> list[GradPlan]:
         plans = []

@@ -1,0 +1,331 @@
+"""Batched grads within a memory budget (issue 9; dynbatch/memory.py, dynbatch/chunking.py).
+
+* The estimate: a hand-written graph between markers, its bytes per sample
+  derived here from the shapes, not copied from a run.
+* Chunked grads equal the eager per-sample loop: ragged last chunk, B below
+  the chunk, B = 1, several grads, Hessian rows (functional.hessian), grads
+  taken outside the region; the plan says what ran, and a B sweep compiles
+  no more graphs than unchunked.
+* What cannot be chunked runs unchunked with the reason in the plan:
+  create_graph, random ops, an inner grad upstream of the inputs.
+* Memory, measured with the profiler (torch's CPU allocator): a budgeted
+  Inductor call peaks within 1.25 x budget + its output, and a user's own
+  loop of batched grads peaks at about one grad's memory, not all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.autograd.functional as AF
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import dynbatch
+from dynbatch import memory
+from dynbatch.bench.measure import _profiled_peak
+from dynbatch.options import Options, parse_memory_budget
+from conftest import assert_same_grads, loop_grads
+
+AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
+grad = torch.autograd.grad
+
+
+def compiled(fn, **options):
+    return torch.compile(fn, backend="dynbatch", fullgraph=True, options={**AOT_EAGER, **options})
+
+
+def plans():
+    return [p for r in dynbatch.compile_records() if not r.chunk_program for p in r.memory_plan]
+
+
+def lj_energy(pos):
+    n = pos.shape[0]
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+    r2 = (diff * diff).sum(-1) + torch.eye(n, dtype=pos.dtype)
+    inv6 = r2.pow(-3)
+    return (4 * (inv6 * inv6 - inv6) * torch.ones(n, n, dtype=pos.dtype).triu(1)).sum()
+
+
+def lattice(n, seed=0):
+    side = round(n ** (1 / 3)) + 1
+    grid = torch.stack(torch.meshgrid(*[torch.arange(side)] * 3, indexing="ij"), -1).reshape(-1, 3)[:n]
+    return grid.float() * 1.12 + 0.05 * torch.randn(n, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def hessian_rows(pos, V):
+    pos = pos.detach().requires_grad_()
+    g = grad(lj_energy(pos), pos, create_graph=True)[0]
+    return grad(g, pos, V, is_grads_batched=True)[0]
+
+
+def eager_rows(pos, V):
+    pos = pos.detach().requires_grad_()
+    g = grad(lj_energy(pos), pos, create_graph=True)[0]
+    if len(V) > 64:  # the large cases: eager torch.func, batched (the per-sample loop takes minutes)
+        return torch.func.vmap(lambda v: grad(g, pos, v, retain_graph=True)[0])(V)
+    return loop_grads(g, pos, V)[0]
+
+
+W = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)) / 4
+
+
+def jacobian(x, V):
+    x = x.detach().requires_grad_()
+    return grad(torch.tanh(torch.tanh(x @ W) @ W), x, V, is_grads_batched=True)[0]
+
+
+def eager_jacobian(x, V):
+    x = x.detach().requires_grad_()
+    return loop_grads(torch.tanh(torch.tanh(x @ W) @ W), x, V)[0]
+
+
+# --- options -------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    (1000, 1000), ("256MiB", 256 * 2**20), ("2GB", 2 * 10**9), ("1.5 GiB", int(1.5 * 2**30)),
+    ("512", 512), ("auto", "auto"), (None, None),
+])
+def test_budget_values(text, expected):
+    assert parse_memory_budget(text) == expected
+
+
+@pytest.mark.parametrize("options", [
+    {"dynbatch.memory_budget": "lots"}, {"dynbatch.memory_budget": -1}, {"dynbatch.memory_budget": 0},
+    {"dynbatch.memory_budget": True}, {"dynbatch.memory_budget": "3 parsecs"},
+    {"dynbatch.chunk_size": 0}, {"dynbatch.chunk_size": 2.5}, {"dynbatch.chunk_size": True},
+])
+def test_bad_budget_options_raise_a_clear_value_error(options):
+    with pytest.raises(ValueError, match=list(options)[0].replace(".", r"\.")):
+        Options.from_compile_args(None, options)
+
+
+def test_auto_budget_is_a_fraction_of_the_free_memory():
+    budget = memory.resolve_budget("auto", [torch.zeros(1)])
+    assert 0 < budget <= memory._available_ram()
+    assert budget == pytest.approx(memory.AUTO_BUDGET_FRACTION * memory._available_ram(), rel=0.2)
+
+
+# --- the estimate, on a graph written by hand ---------------------------------------
+
+def test_estimate_replays_allocations_between_the_markers_and_removes_them():
+    def backward(x, v, weight):  # v: [B, 5]; three buffers depend on v
+        v = memory.batch_marker(v, "g", memory.COTANGENT)
+        h = v * x  # [B, 5]
+        s = h.sin()  # [B, 5]; h is freed after this
+        out = s @ weight  # [B, 7]
+        return memory.batch_marker(out, "g", memory.GRAD)
+
+    args = (torch.randn(5), torch.randn(6, 5), torch.randn(5, 7))
+    gm = make_fx(backward, tracing_mode="symbolic")(*args)
+    (estimate,) = memory.observe(gm).values()
+    assert not [n for n in gm.graph.nodes if "batch_marker" in str(n.target)]
+    # Alive at each step, per sample: h; h and s; s and out (float32).
+    expected = 4 * max(5, 5 + 5, 5 + 7)
+    assert estimate.bytes_per_sample() == expected
+    assert estimate.example_batch() == 6
+    # With Inductor's fusion, h is computed inside sin's kernel: never stored.
+    gm = make_fx(backward, tracing_mode="symbolic")(*args)
+    (fused,) = memory.observe(gm, fused=True).values()
+    assert fused.bytes_per_sample() == 4 * (5 + 7)
+    # The graph still computes the same thing without its markers.
+    args = (torch.randn(5), torch.randn(3, 5), torch.randn(5, 7))
+    torch.testing.assert_close(gm(*args), backward(*args))
+
+
+def test_estimate_follows_the_other_sizes_of_each_call():
+    def backward(x, v):  # v: [B, n, n] -> [B, n]
+        v = memory.batch_marker(v, "g", memory.COTANGENT)
+        return memory.batch_marker((v * x).sum(-1), "g", memory.GRAD)
+
+    x, v = torch.randn(4, 4), torch.randn(3, 4, 4)
+    gm = make_fx(backward, tracing_mode="symbolic")(x, v)
+    (estimate,) = memory.observe(gm).values()
+    bind = memory.binder(estimate, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+    for n in (4, 9):
+        values = bind([torch.randn(n, n), torch.randn(2, n, n)])
+        assert estimate.bytes_per_sample(values) == 4 * (n * n + n)
+
+
+# --- chunked grads equal eager -----------------------------------------------------
+
+@pytest.mark.parametrize("batches", [(13, 3, 30, 7), (2, 5)])
+def test_fixed_chunks_equal_the_eager_loop_over_a_batch_sweep(batches):
+    x = torch.randn(4, 16)
+    f = compiled(jacobian, **{"dynbatch.chunk_size": 4})
+    for b in batches:  # ragged last chunks (13 = 4+3+3+3), B below the chunk (3, 2)
+        V = torch.randn(b, 4, 16)
+        assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
+    counters = dynbatch.counters()
+    assert counters["graphs"] <= 2 and not counters.get("fallbacks")
+    assert counters["grads_chunked"] >= 1 and counters["chunk_programs"] == 1
+    assert any(p.applied and p.chunk_size == 4 for p in plans())
+
+
+def test_batch_of_one_and_budget_below_one_sample():
+    x = torch.randn(4, 16)
+    f = compiled(jacobian, **{"dynbatch.memory_budget": 1})
+    for b in (1, 5):
+        V = torch.randn(b, 4, 16)
+        assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
+    chunked = [p for p in plans() if p.applied]
+    assert chunked and chunked[-1].chunk_size == 1 and chunked[-1].chunks == 5
+
+
+def test_hessian_rows_within_a_budget_equal_eager_and_the_plan_is_logged(caplog):
+    pos = lattice(10)
+    V = torch.eye(30).view(30, 10, 3)
+    f = compiled(hessian_rows, **{"dynbatch.memory_budget": "20KB"})
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        out = f(pos, V)
+    assert_same_grads(out, eager_rows(pos, V))
+    (plan,) = plans()
+    assert plan.applied and plan.batch == 30 and plan.bytes_per_sample > 0
+    assert plan.chunk_size == 20_000 // plan.bytes_per_sample and plan.chunks > 1
+    assert f"chunks of {plan.chunk_size}" in caplog.text and "B/sample" in caplog.text
+    assert dynbatch.counters()["grads_chunked"] == 1
+
+
+def test_functional_hessian_within_a_budget():
+    def hess(pos):
+        return AF.hessian(lj_energy, pos, vectorize=True)
+
+    pos = lattice(6)
+    out = compiled(hess, **{"dynbatch.memory_budget": "4KB"})(pos)
+    assert_same_grads(out, AF.hessian(lj_energy, pos))
+    assert any(p.applied for p in plans())
+
+
+def test_a_budgeted_graph_that_fits_at_first_recompiles_chunked_when_b_grows():
+    x = torch.randn(4, 16)
+    budget = 20_000
+    f = compiled(jacobian, **{"dynbatch.memory_budget": budget})
+    for b in (4, 6, 300, 5):
+        V = torch.randn(b, 4, 16)
+        assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
+    first, dynamic, grown = plans()
+    assert not first.applied and not dynamic.applied and grown.applied
+    assert grown.bytes_per_sample * grown.chunk_size <= budget
+    # The chunked graph serves every B after it; one graph more than unchunked, at the crossing.
+    assert dynbatch.counters()["graphs"] == 3
+
+
+def test_several_grads_and_a_user_loop_over_chunks():
+    pos = lattice(8)
+    V = torch.eye(24).view(24, 8, 3)
+
+    def loop(pos, V):
+        pos = pos.detach().requires_grad_()
+        g = grad(lj_energy(pos), pos, create_graph=True)[0]
+        rows = [grad(g, pos, v, retain_graph=True, is_grads_batched=True)[0] for v in V.split(10)]
+        return torch.cat(rows)
+
+    out = compiled(loop, **{"dynbatch.memory_budget": "8KB"})(pos, V)
+    assert_same_grads(out, eager_rows(pos, V))
+    assert len(plans()) == 3 and all(p.applied for p in plans())
+
+
+def test_grads_outside_the_region_within_a_budget():
+    x = torch.randn(4, 16, requires_grad=True)
+    f = torch.compile(lambda x: torch.tanh(torch.tanh(x @ W) @ W), backend="dynbatch",
+                      options={**AOT_EAGER, "dynbatch.memory_budget": 2000})
+    V = torch.randn(12, 4, 16)
+    out = grad(f(x), x, V, is_grads_batched=True)[0]
+    assert_same_grads(out, loop_grads(torch.tanh(torch.tanh(x @ W) @ W), x, V)[0])
+    assert dynbatch.counters()["outside_batched_compiled"] == 1
+    assert any(p.applied for p in plans())
+
+
+# --- what is not chunked, and why ---------------------------------------------------
+
+def test_create_graph_batched_grad_runs_unchunked_and_stays_differentiable():
+    def f(x, V):
+        x = x.detach().requires_grad_()
+        (j,) = grad(torch.tanh(x @ W), x, V, is_grads_batched=True, create_graph=True)
+        return grad(j.pow(2).sum(), x)[0]
+
+    x, V = torch.randn(4, 16), torch.randn(6, 4, 16)
+    xe = x.clone().requires_grad_()
+    (je,) = grad(torch.tanh(xe @ W), xe, V, is_grads_batched=True, create_graph=True)
+    assert_same_grads(compiled(f, **{"dynbatch.chunk_size": 2})(x, V), grad(je.pow(2).sum(), xe)[0])
+    assert not any(p.applied for p in plans())
+
+
+def test_random_ops_before_the_grad_are_not_rerun_per_chunk():
+    def f(x, V):
+        x = x.detach().requires_grad_()
+        y = torch.nn.functional.dropout(torch.tanh(x @ W), 0.5) * x
+        return grad(y, x, V, is_grads_batched=True)[0]
+
+    torch.manual_seed(0)
+    x, V = torch.randn(4, 16), torch.randn(9, 4, 16)
+    out = compiled(f, **{"dynbatch.chunk_size": 2})(x, V)
+    assert out.shape == (9, 4, 16)
+    (plan,) = plans()
+    assert not plan.applied and "random" in plan.reason
+
+
+def test_inner_grad_upstream_of_the_inputs_is_refused():
+    def f(x0, V):
+        x0 = x0.detach().requires_grad_()
+        x = x0 * 2
+        e = torch.tanh(x @ W).sum()
+        (g0,) = grad(e, x0, create_graph=True)  # depends on x through e, taken at x0
+        return grad(g0 * x, x, V, is_grads_batched=True)[0]
+
+    x0, V = torch.randn(4, 16), torch.randn(5, 4, 16)
+    xe0 = x0.clone().requires_grad_()
+    xe = xe0 * 2
+    (ge,) = grad(torch.tanh(xe @ W).sum(), xe0, create_graph=True)
+    expected = loop_grads(ge * xe, xe, V)[0]
+    assert_same_grads(compiled(f, **{"dynbatch.chunk_size": 2})(x0, V), expected)
+    (plan,) = plans()
+    assert not plan.applied and "upstream" in plan.reason
+
+
+# --- memory, with Inductor ------------------------------------------------------------
+
+def _peak(fn, *args):
+    fn(*args)  # warm: compile, caches
+    return _profiled_peak(lambda: fn(*args))
+
+
+def test_budgeted_inductor_call_peaks_within_the_budget():
+    pos = lattice(60)
+    V = torch.eye(180).view(180, 60, 3)
+    budget = 2 * 2**20
+    f = torch.compile(hessian_rows, backend="dynbatch", fullgraph=True,
+                      options={"dynbatch.memory_budget": budget})
+    g = torch.compile(hessian_rows, backend="dynbatch", fullgraph=True,
+                      options={"dynbatch.memory_budget": None})
+    budgeted, unbudgeted = _peak(f, pos, V), _peak(g, pos, V)
+    assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    output = 180 * 60 * 3 * 4
+    assert budgeted <= 1.25 * budget + output, (budgeted, unbudgeted)
+    assert unbudgeted > 2 * budget  # the budget did bind
+
+
+def test_user_loop_of_batched_grads_peaks_at_one_grad_not_all(monkeypatch):
+    # Six grads of 30 rows whose backwards add up to more than memory.SEPARATE_ABOVE
+    # (lowered here so that a small case stands for the large ones it is meant for).
+    monkeypatch.setattr(memory, "SEPARATE_ABOVE", 2**20)
+    n, rows = 60, 30
+    pos = lattice(n)
+    V = torch.eye(3 * n).view(3 * n, n, 3)
+
+    def loop(pos, V):
+        pos = pos.detach().requires_grad_()
+        g = grad(lj_energy(pos), pos, create_graph=True)[0]
+        return torch.cat([grad(g, pos, v, retain_graph=True, is_grads_batched=True)[0] for v in V.split(rows)])
+
+    looped = torch.compile(loop, backend="dynbatch", fullgraph=True)  # the default budget
+    loop_peak = _peak(looped, pos, V)
+    loop_plan = plans()
+    assert len(loop_plan) == 6 and all(p.applied and p.chunks == 1 for p in loop_plan)
+    single = torch.compile(hessian_rows, backend="dynbatch", fullgraph=True)
+    one_peak = _peak(single, pos, V[:rows])
+    # Inductor reassociates the fp32 pair sums; the r^-14 terms make entries large.
+    assert_same_grads(looped(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    output = V.numel() * 4
+    assert loop_peak <= 1.5 * one_peak + output, (loop_peak, one_peak)
