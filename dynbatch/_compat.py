@@ -568,8 +568,8 @@ def add_shape_guard(condition: Any) -> None:
 
 
 def mark_batch_dynamic(t: torch.Tensor) -> None:
-    """Let Dynamo compile the batch dim of a chunk symbolic from the first call (no 0/1 specialisation
-    needed: chunks are split evenly and are never of size 1 unless every chunk is)."""
+    """Let Dynamo compile the batch dim of a chunk symbolic from its first call.  A chunk of one
+    (even chunks have one only when the chunk size is below 3, or B is 1) is still specialised."""
     torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
@@ -616,3 +616,13 @@ def fetch_attr(module: torch.nn.Module, target: str) -> Any:
     for atom in target.split("."):
         value = getattr(value, atom)
     return value
+
+
+def compile_sympy(symbols: tuple, exprs: list) -> Callable[..., tuple]:
+    """One Python function evaluating ``exprs`` (which may use torch's sympy functions,
+    FloorDiv, ModularIndexing, ...) at integer values of ``symbols``, printed as Dynamo prints guards."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    printer = PythonPrinter()
+    body = ", ".join(printer.doprint(e) for e in exprs)
+    return eval(f"lambda {', '.join(map(str, symbols))}: ({body},)", {"math": __import__("math")})  # noqa: S307

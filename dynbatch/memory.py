@@ -83,7 +83,13 @@ def mark(tensors: Sequence[torch.Tensor | None], role: int, create_graph: bool) 
             or _compat.functorch_transform_active()
             or any(t is not None and t.requires_grad for t in tensors)):
         return tuple(tensors)
-    return tuple(None if t is None else batch_marker(t, grad, role) for t in tensors)
+    return tuple(t if t is None or _lazy(t) else batch_marker(t, grad, role) for t in tensors)
+
+
+def _lazy(t: torch.Tensor) -> bool:
+    """Zero tensors (a grad known to be zero) and conj/neg views: an op would materialise
+    them, at sizes it reads as ints (specialising B); they hold no batched memory anyway."""
+    return t._is_zerotensor() or t.is_conj() or t.is_neg()
 
 
 def _is_marker(node: torch.fx.Node) -> bool:
@@ -104,7 +110,7 @@ class Estimate:
     def __post_init__(self):
         self.symbols = tuple(sorted({s for e in (self.batch, *self.live) for s in e.free_symbols}, key=str))
         # Evaluated at every chunked call: compiled once, not sympy's subs.
-        self._evaluate = sympy.lambdify(self.symbols, [self.batch, *self.live], modules="math")
+        self._evaluate = _compat.compile_sympy(self.symbols, [self.batch, *self.live])
 
     def bytes_per_sample(self, values: dict[sympy.Symbol, int] | None = None) -> int:
         values = {**self.hints, **(values or {})}
@@ -128,16 +134,23 @@ def observe(gm: torch.fx.GraphModule, fused: bool = False) -> dict[str, Estimate
     if not markers:
         return {}
     estimates = {}
-    for grad in dict.fromkeys(n.args[1] for n in markers):
-        mine = [n for n in markers if n.args[1] == grad]
-        cotangents = [n for n in mine if n.args[2] == COTANGENT]
-        grads = [n for n in mine if n.args[2] == GRAD]
-        if cotangents and grads:
-            estimates[grad] = _estimate(gm.graph, grad, cotangents, grads, fused)
-    for node in markers:
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
-    gm.recompile()
+    try:
+        for grad in dict.fromkeys(n.args[1] for n in markers):
+            mine = [n for n in markers if n.args[1] == grad]
+            cotangents = [n for n in mine if n.args[2] == COTANGENT]
+            grads = [n for n in mine if n.args[2] == GRAD]
+            if cotangents and grads:
+                estimates[grad] = _estimate(gm.graph, grad, cotangents, grads, fused)
+                estimates[grad].bytes_per_sample()  # evaluates at the example sizes
+    except Exception as e:  # noqa: BLE001 - a plan we cannot make must not cost the compile
+        log.warning("dynbatch: no memory plan for this graph (the budget is not applied): %s: %s",
+                    type(e).__name__, e)
+        estimates = {}
+    finally:
+        for node in markers:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        gm.recompile()
     return estimates
 
 
@@ -233,11 +246,12 @@ def auto_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        free = _available_ram()
+        free = available_ram()
     return int(free * AUTO_BUDGET_FRACTION)
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
+    """Bytes of RAM this process could still get (the kernel's MemAvailable)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -1,13 +1,14 @@
 """The benchmark (issue 3): a ``--quick`` run end to end, as CI's smoke test.
 
 One run through ``dynbatch.bench.__main__.main`` into a temporary folder
-(about a minute on 2 cores; the stock column runs on the sweep workload only
+(about two minutes on 2 cores; the stock column runs on the sweep workload only
 in quick mode), then checks on what it wrote.  Errors are judged against the
 eager loop's result from the same run, never against stored numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,9 +17,10 @@ import torch
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from dynbatch.bench import VARIANTS, WORKLOADS  # noqa: E402
+from dynbatch.bench import VARIANTS, WORKLOADS, runner, variants, workloads  # noqa: E402
 from dynbatch.bench.__main__ import main, parse_args, settings_from  # noqa: E402
-from dynbatch.bench.measure import short_error  # noqa: E402
+from dynbatch.bench.measure import memory_method, short_error  # noqa: E402
+from dynbatch.bench.problem import BatchedMemory  # noqa: E402
 from dynbatch.bench.report import Footnotes  # noqa: E402
 
 STATUSES = ("ok", "skipped: ", "crashed: ", "timed out after ")
@@ -33,9 +35,11 @@ def quick_run(tmp_path_factory):
 
 def test_writes_json_markdown_and_plots(quick_run):
     out, _ = quick_run
-    for name in ("results.json", "results.md", "time_vs_batch.png", "compile_vs_batch.png", "speedup.png"):
+    for name in ("results.json", "results.md", "time_vs_batch.png", "compile_vs_batch.png", "memory_vs_batch.png",
+                 "speedup.png"):
         assert (out / name).stat().st_size > 0, name
-    assert (out / "time_vs_batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("time_vs_batch.png", "memory_vs_batch.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
 def test_every_workload_and_every_variant_per_case(quick_run):
@@ -68,6 +72,35 @@ def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):
                                for v in ("eager_batched", "eager_vmap"))
             tolerance = max(1e-5 * max(case["reference_max_abs"], 1.0), 10 * eager_spread)
             assert ours["max_abs_err"] <= tolerance, (where, ours["max_abs_err"], tolerance)
+            # The tight-budget configuration computes the same thing, chunked or not.
+            budget = case["variants"]["dynbatch_budget"]
+            assert budget["status"] == "ok", (where, budget["status"])
+            assert budget["max_abs_err"] <= tolerance, (where, budget["max_abs_err"], tolerance)
+        assert problem["dynbatch_budget"]["fallbacks"] == 0, problem["dynbatch_budget"]["fallback_reasons"]
+
+
+def test_chunked_vmap_matches_the_eager_loop(quick_run):
+    _, results = quick_run
+    for problem in results["problems"]:
+        for case in problem["cases"]:
+            cell = case["variants"]["eager_vmap_chunked"]
+            assert cell["status"] == "ok", (problem["problem"], case["label"], cell["status"])
+            assert cell["max_abs_err"] <= 1e-5 * max(case["reference_max_abs"], 1.0), (problem["problem"], case)
+
+
+def test_full_hessian_runs_both_energies_unchunked(quick_run):
+    _, results = quick_run
+    problems = {p["problem"]: p for p in results["problems"] if p["workload"] == "full_hessian"}
+    assert set(problems) == {"full_hessian/lj", "full_hessian/pair_mlp"}
+    for problem in problems.values():
+        assert problem["chunk"] is None  # one batched grad over the whole basis
+        for case in problem["cases"]:
+            n = int(case["label"].removeprefix("N="))
+            assert case["batch"] == 3 * n
+            for variant, cell in case["variants"].items():
+                if variant not in ("stock_compile", "jax"):  # the only columns quick mode may skip
+                    assert cell["status"] == "ok", (problem["problem"], variant, cell["status"])
+                    assert cell["peak_mem_bytes"] > 0, (problem["problem"], variant)
 
 
 def test_symbolic_batch_reuses_the_graph_on_the_sweep(quick_run):
@@ -88,6 +121,12 @@ def test_markdown_shows_ratios_and_notes(quick_run):
     assert "/ best torch column" in md
     for problem in results["problems"]:
         assert f"| {problem['problem']} |" in md
+    # the memory table has every column, the new ones included
+    memory = md.split("## Peak memory", 1)[1].split("\n## ", 1)[0]
+    for variant in VARIANTS:
+        assert f"{variant} MiB" in memory, variant
+    # dynbatch's own configurations are never "the best other column"
+    assert "(dynbatch_budget)" not in md and "(dynbatch_outside)" not in md
     if not results["meta"]["jax"]:
         assert "jax not installed" in md
 
@@ -95,10 +134,14 @@ def test_markdown_shows_ratios_and_notes(quick_run):
 def test_quick_settings_and_flags(tmp_path):
     s = settings_from(parse_args(["--quick", "--workloads", "gelu_vjp,hessian", "--batch-sizes", "2,3"]))
     assert s.tier == "quick" and s.workloads == ("gelu_vjp", "hessian") and s.batch_sizes == (2, 3)
-    assert s.stock_workloads == ("gelu_vjp",) and not s.cold_compile_cache
+    assert s.stock_workloads == ("gelu_vjp",) and not s.cold_compile_cache and s.atoms is None
     assert settings_from(parse_args([])).tier == "cpu"
+    s = settings_from(parse_args(["--workloads", "full_hessian", "--atoms", "100,200"]))
+    assert s.workloads == ("full_hessian",) and s.atoms == (100, 200) and s.tier == "cpu"
     with pytest.raises(SystemExit):
         parse_args(["--workloads", "nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--atoms", "1"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="cuda"):
             settings_from(parse_args(["--device", "cuda"]))
@@ -120,3 +163,64 @@ def test_footnotes_number_each_message_once():
     assert notes.cell("stock_compile", "b B=3", "crashed: X") == "crashed [1]"
     assert notes.cell("jax", "a B=2", "skipped: no jax") == "skipped [2]"
     assert "first at a B=2" in notes.markdown()
+
+
+def test_atoms_set_the_atom_counts():
+    problems = workloads.build("full_hessian", "quick", None, "cpu", atoms=[3, 5])
+    assert [p.name for p in problems] == ["full_hessian/lj", "full_hessian/pair_mlp"]
+    for problem in problems:
+        assert [(c.label, c.batch, tuple(c.cotangents.shape)) for c in problem.cases] == [
+            ("N=3", 9, (9, 3, 3)), ("N=5", 15, (15, 5, 3))]
+    # --atoms leaves the other workloads alone
+    assert workloads.build("sweep", "quick", None, "cpu", atoms=[3]) [0].cases[0].label == "B=2"
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["lj", "pair_mlp"])
+def test_full_hessian_is_the_hessian(index):
+    """The one batched grad is the Hessian: equal to torch.func's (another autograd path), symmetric."""
+    problem = workloads.build("full_hessian", "quick", None, "cpu", atoms=[5])[index]
+    case = problem.cases[0]
+    rows = case.batch
+    batched = variants.batched_program(problem)(case.x, case.cotangents).reshape(rows, rows)
+    by_func = torch.func.jacrev(problem.f_func)(case.x).reshape(rows, rows)
+    torch.testing.assert_close(batched, by_func, rtol=1e-4, atol=1e-4 * by_func.abs().max().item())
+    torch.testing.assert_close(batched, batched.T, rtol=1e-4, atol=1e-4 * batched.abs().max().item())
+    assert batched.abs().max() > 0
+    chunked = variants.vmap_program(problem, chunk_size=2)(case.x, case.cotangents).reshape(rows, rows)
+    torch.testing.assert_close(chunked, batched, rtol=1e-4, atol=1e-4 * batched.abs().max().item())
+
+
+def test_full_hessian_jax_dialect_matches():
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    for problem in workloads.build("full_hessian", "quick", None, "cpu", atoms=[5]):
+        case = problem.cases[0]
+        rows = case.batch
+        expected = variants.batched_program(problem)(case.x, case.cotangents).reshape(rows, rows)
+        got = np.array(jax.jacrev(problem.jax_f())(case.x.numpy())).reshape(rows, rows)
+        torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4,
+                                   atol=1e-4 * expected.abs().max().item())
+
+
+def test_memory_guard_skips_what_does_not_fit():
+    cpu = torch.device("cpu")
+    available, _ = runner.available_memory(cpu)
+    if available is None:
+        pytest.skip("no MemAvailable here")
+    case = workloads.build("full_hessian", "quick", None, "cpu", atoms=[100])[0].cases[0]  # B = 300
+    huge = dataclasses.replace(case, batched_memory=BatchedMemory(eager=10 * available, compiled=5 * available))
+    reason = runner.memory_guard("eager_batched", huge, cpu, [])
+    assert reason and reason.startswith("needs about") and "B=300" in reason
+    assert runner.memory_guard("dynbatch", huge, cpu, [])  # compiled: 5x available, still too much
+    # the loop holds one sample of 300, the chunked vmap VMAP_CHUNK of them
+    assert runner.memory_guard("eager_loop", huge, cpu, []) is None
+    assert variants.samples_held("eager_vmap_chunked", 300) == variants.VMAP_CHUNK
+    # a column's own measured peak on a smaller case, scaled, replaces the estimate
+    small = dataclasses.replace(huge, batch=30, batched_memory=BatchedMemory(eager=available, compiled=available // 2))
+    honoured = {"status": "ok", "peak_mem_bytes": 2 ** 20, "mem_method": memory_method(cpu)}
+    assert runner.memory_guard("dynbatch_budget", huge, cpu, [(small, honoured)]) is None
+    ignored = dict(honoured, peak_mem_bytes=available)
+    assert "peak at" in runner.memory_guard("dynbatch_budget", huge, cpu, [(small, ignored)])
+    assert runner.memory_guard("eager_batched", case, cpu, []) is None  # the real estimate fits

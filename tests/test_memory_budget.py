@@ -103,8 +103,8 @@ def test_bad_budget_options_raise_a_clear_value_error(options):
 
 def test_auto_budget_is_a_fraction_of_the_free_memory():
     budget = memory.resolve_budget("auto", [torch.zeros(1)])
-    assert 0 < budget <= memory._available_ram()
-    assert budget == pytest.approx(memory.AUTO_BUDGET_FRACTION * memory._available_ram(), rel=0.2)
+    assert 0 < budget <= memory.available_ram()
+    assert budget == pytest.approx(memory.AUTO_BUDGET_FRACTION * memory.available_ram(), rel=0.2)
 
 
 # --- the estimate, on a graph written by hand ---------------------------------------
@@ -329,3 +329,16 @@ def test_user_loop_of_batched_grads_peaks_at_one_grad_not_all(monkeypatch):
     assert_same_grads(looped(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
     output = V.numel() * 4
     assert loop_peak <= 1.5 * one_peak + output, (loop_peak, one_peak)
+
+
+def test_a_plan_that_cannot_be_made_costs_neither_the_compile_nor_the_markers(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise ValueError("an expression the planner cannot evaluate")
+
+    monkeypatch.setattr(memory, "_estimate", broken)
+    x, V = torch.randn(4, 16), torch.randn(6, 4, 16)
+    with caplog.at_level(logging.WARNING, logger="dynbatch"):
+        out = compiled(jacobian, **{"dynbatch.memory_budget": 1})(x, V)
+    assert_same_grads(out, eager_jacobian(x, V))
+    assert "no memory plan" in caplog.text and not plans()
+    assert "batch_marker" not in dynbatch.compile_records()[-1].aten_graphs[0]

@@ -8,6 +8,8 @@ compile so the batch size is symbolic (``s0``).  Regenerate with
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +105,23 @@ def test_graph_snapshots(name):
     record = dynbatch.compile_records()[-1]
     assert record.fell_back == name.startswith("fallback")
     assert_snapshot(name, record_text(record))
+
+
+def test_chunked_graph_snapshot():
+    """hessian_rows with dynbatch.chunk_size=3: the grad becomes dynbatch::chunked_grad in the
+    aten graph, and its chunk program (the forward part re-run, then the batched grad) is a
+    graph of its own, compiled with the chunk's batch dim symbolic."""
+    fn, make_inputs = PROGRAMS["hessian_rows"]
+    compiled = torch.compile(fn, backend="dynbatch", fullgraph=True, options={"dynbatch.chunk_size": 3})
+    for B in (4, 7):  # even chunks: 2+2, then 3+2+2
+        args = make_inputs(B)
+        assert_same_grads(compiled(*args), fn(*args), atol=1e-4, rtol=1e-4)
+    main = [r for r in dynbatch.compile_records() if not r.chunk_program][-1]
+    (program,) = [r for r in dynbatch.compile_records() if r.chunk_program]
+    (plan,) = main.memory_plan
+    assert plan.applied and plan.chunk_size == 3 and plan.chunks == 3
+    # The op names its program by a key that differs per compile.
+    main_text = re.sub(r"chunked_grad\.default\('[0-9a-f]+'", "chunked_grad.default('<key>'", record_text(main))
+    text = "\n".join([main_text, f"plan: chunks of {plan.chunk_size}, {plan.chunks} at B={plan.batch}\n",
+                      "chunk program:", record_text(program)])
+    assert_snapshot("chunked_hessian_rows", text)

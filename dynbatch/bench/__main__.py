@@ -11,7 +11,7 @@ import torch
 
 from . import measure, plots, report, runner
 from .variants import VARIANTS
-from .workloads import TIERS, WORKLOADS
+from .workloads import ATOM_WORKLOADS, TIERS, WORKLOADS
 
 
 def _names(text: str, known, what: str) -> tuple[str, ...]:
@@ -22,13 +22,13 @@ def _names(text: str, known, what: str) -> tuple[str, ...]:
     return names
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+def _sizes(text: str, flag: str = "--batch-sizes", least: int = 1) -> tuple[int, ...]:
     try:
         sizes = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch-sizes takes integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError("--batch-sizes takes positive integers")
+        raise argparse.ArgumentTypeError(f"{flag} takes integers, got {text!r}") from None
+    if not sizes or min(sizes) < least:
+        raise argparse.ArgumentTypeError(f"{flag} takes integers of at least {least}")
     return sizes
 
 
@@ -46,8 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=_sizes, default=None,
                         help="comma list of B for the sweep workload and the free-B workloads "
                              "(gelu_vjp, attention, hessian HVP probes); Jacobian workloads keep B = output size")
+    parser.add_argument("--atoms", type=lambda t: _sizes(t, "--atoms", 2), default=None,
+                        help=f"comma list of atom counts N for {', '.join(ATOM_WORKLOADS)} (B = 3N), "
+                             "replacing the size tier's")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes and short timing budgets (the CI smoke test, under a minute on 2 cores)")
+                        help="tiny sizes and short timing budgets (the CI smoke test, about 2 minutes on 2 cores)")
     parser.add_argument("--size", choices=TIERS, default=None,
                         help="size tier; default: quick with --quick, else the device's (cpu or cuda)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default bench-out/)")
@@ -90,6 +93,7 @@ def settings_from(args: argparse.Namespace) -> runner.Settings:
         workloads=tuple(args.workloads),
         variants=tuple(args.variants),
         batch_sizes=args.batch_sizes,
+        atoms=args.atoms,
         budget=_budget(args),
         stock_timeout_s=args.stock_timeout or 60.0,
         # Cold caches make first calls honest; the smoke test needs speed, not that figure.

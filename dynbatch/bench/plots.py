@@ -2,6 +2,8 @@
 
 - ``time_vs_batch.png``: steady-state median time against B, one panel per workload;
 - ``compile_vs_batch.png``: first-call time (compile included) against B, same panels;
+- ``memory_vs_batch.png``: peak memory per call against B, same panels, with
+  ``dynbatch_budget``'s budget and the memory available drawn as lines;
 - ``speedup.png``: each column's speedup over ``eager_batched``, per case.
 """
 
@@ -11,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .report import REFERENCE, columns, figure, ok
+from .report import REFERENCE, columns, figure, ok, same_memory_method
+from .variants import TIGHT_BUDGET
 
 MARKERS = "osD^v<>p*h"
 
@@ -49,30 +52,52 @@ def _panels(n: int):
 
 
 def against_batch(results: dict[str, Any], key: str, ylabel: str, title: str, path: Path,
-                  with_floor: bool = False) -> Path:
-    """One panel per workload: ``key`` against B, a line per (column, problem)."""
+                  with_floor: bool = False, scale: float = 1.0, usable=lambda cell: True,
+                  levels: tuple[tuple[str, float, str], ...] = ()) -> Path:
+    """One panel per workload: ``key`` (times ``scale``) against B, a line per (column, problem).
+
+    Only cells with ``usable(cell)`` and a positive figure are drawn (the axes are
+    logarithmic); ``levels`` are (label, y, line style) horizontal lines, drawn on a
+    panel whose figures reach a tenth of them (elsewhere they would only squash it).
+    """
     plt = _pyplot()
     cols = columns(results)
     colors = _colors(cols)
     groups = _by_workload(results)
     fig, axes = _panels(len(groups))
     for ax, (workload, problems) in zip(axes, groups.items()):
+        top = 0.0
+        batches = sorted({c["batch"] for problem in problems for c in problem["cases"]})
         for p_index, problem in enumerate(problems):
             marker = MARKERS[p_index % len(MARKERS)]
-            for v in cols:
-                points = [(c["batch"], figure(c, v, key)) for c in problem["cases"]]
-                points = [(b, y) for b, y in points if y is not None]
+            for j, v in enumerate(cols):
+                points = [(c["batch"], figure(c, v, key)) for c in problem["cases"]
+                          if ok(c["variants"].get(v)) and usable(c["variants"][v])]
+                points = [(b, y * scale) for b, y in points if y is not None and y > 0]
                 if points:
-                    ax.plot(*zip(*points), marker=marker, color=colors[v], label=v if p_index == 0 else None)
+                    # Later columns get smaller markers, so columns with equal figures
+                    # (dynbatch and compiled_func often) still both show.
+                    ax.plot(*zip(*points), marker=marker, markersize=3 + 0.6 * (len(cols) - j), color=colors[v],
+                            label=v if p_index == 0 else None)
+                    top = max(top, max(y for _, y in points))
             if with_floor:
                 floor = [(c["batch"], c["floor"]["median_s"]) for c in problem["cases"]
                          if c.get("floor", {}).get("median_s")]
                 if floor:
                     ax.plot(*zip(*floor), linestyle="--", color="black", marker=marker,
                             label="floor" if p_index == 0 else None)
+        for label, y, style in levels:
+            if top >= y / 10:
+                ax.axhline(y, color="grey", linestyle=style, linewidth=0.9, label=label)
         names = ", ".join(f"{MARKERS[i]} {p['problem']}" for i, p in enumerate(problems)) if len(problems) > 1 else ""
         ax.set_title(workload + (f"\n{names}" if names else ""), fontsize=9)
         ax.set_xscale("log", base=2)
+        if len(batches) <= 8:  # few sizes: tick each B the panel ran (log2 ticks may show none)
+            from matplotlib.ticker import NullFormatter, NullLocator
+
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_yscale("log")
         ax.set_xlabel("batch size B")
         ax.set_ylabel(ylabel)
@@ -83,9 +108,12 @@ def against_batch(results: dict[str, Any], key: str, ylabel: str, title: str, pa
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=8)
+    # Legend below the panels, about two entries per inch of width, in as many rows as it needs.
+    width, height = fig.get_size_inches()
+    ncol = max(1, min(len(labels), int(width / 2.2)))
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    fig.tight_layout(rect=(0, min(0.4, (0.2 * math.ceil(len(labels) / ncol) + 0.15) / height), 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -135,5 +163,19 @@ def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
         "compile_vs_batch": against_batch(results, "first_call_s", "first call (s)",
                                           f"First call, compile included, vs batch size — {device}",
                                           out_dir / "compile_vs_batch.png"),
+        "memory_vs_batch": memory_vs_batch(results, out_dir / "memory_vs_batch.png"),
         "speedup": speedup(results, out_dir / "speedup.png"),
     }
+
+
+def memory_vs_batch(results: dict[str, Any], path: Path) -> Path:
+    """Peak memory per call against B, with the tight budget and the memory available as lines."""
+    meta = results["meta"]
+    levels = []
+    if "dynbatch_budget" in columns(results):
+        levels.append((f"dynbatch_budget's budget ({TIGHT_BUDGET / 2 ** 20:g} MiB)", TIGHT_BUDGET / 2 ** 20, ":"))
+    if meta.get("memory_available_at_start"):
+        levels.append(("memory available at the start", meta["memory_available_at_start"] / 2 ** 20, "-."))
+    return against_batch(results, "peak_mem_bytes", "peak memory per call (MiB)",
+                         f"Peak memory vs batch size — {meta['device_name']}", path,
+                         scale=1 / 2 ** 20, usable=same_memory_method(meta), levels=tuple(levels))

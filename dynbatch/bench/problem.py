@@ -30,6 +30,21 @@ class Floor:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchedMemory:
+    """Estimated peak bytes of a batched backward that holds all B samples at once.
+
+    Two figures, because a compiled program fuses chains of pointwise ops and so
+    keeps fewer ``[B, ...]`` buffers alive than eager PyTorch does.
+    """
+
+    eager: int  # eager PyTorch: every intermediate of the B samples materialised
+    compiled: int  # a compiled program (Inductor, XLA)
+
+    def bytes(self, compiled: bool) -> int:
+        return self.compiled if compiled else self.eager
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One point of a problem's batch-size sweep."""
 
@@ -38,6 +53,10 @@ class Case:
     x: Tensor  # the primal input, on the run's device
     cotangents: Tensor  # [B, *f(x).shape], on the run's device
     floor: Floor
+    # What a backward holding all B samples at once needs (None: small enough never
+    # to check). The runner skips a column whose share of it does not fit in the
+    # memory available (runner.py, "the memory guard").
+    batched_memory: BatchedMemory | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterable
 from .variants import COMPILED, REFERENCE, VARIANTS
 
 OURS = "dynbatch"
-# dynbatch's own other pattern (grad outside the compiled f): not a rival column.
-OURS_TOO = ("dynbatch_outside",)
+# dynbatch's own other configurations (a tight memory budget; the grad outside the
+# compiled f): not rival columns, so "best other" leaves them out.
+OURS_TOO = ("dynbatch_budget", "dynbatch_outside")
 
 
 # --- reading cells --------------------------------------------------------------
@@ -158,6 +159,11 @@ def time_table(results, notes: Footnotes) -> str:
     return table(header, body)
 
 
+def same_memory_method(meta: dict[str, Any]) -> Callable[[dict], bool]:
+    """Cells whose peak memory was measured the run's way (JAX's sampled RSS is not comparable)."""
+    return lambda cell: cell.get("mem_method", meta["memory_method"]) == meta["memory_method"]
+
+
 def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
                  usable=lambda cell: True) -> str:
     """One figure per cell with its ratio to eager_batched, and dynbatch over the best other.
@@ -193,15 +199,31 @@ def error_table(results, notes: Footnotes) -> str:
     return table(["problem", "case"] + cols, body)
 
 
-def graphs_table(results) -> str:
+def graphs_table(results, notes: Footnotes | None = None) -> str:
+    """Graphs per compiled column, and dynbatch's own counters for each dynbatch configuration
+    that ran: batched graphs, fallbacks (their reasons as notes) and, where dynbatch counts
+    them, grads run in chunks (a memory budget at work)."""
+    notes = notes or Footnotes()
     cols = [v for v in columns(results) if v in COMPILED]
+    ours = [v for v in (OURS, "dynbatch_budget") if v in cols or v == OURS]
+    chunked = any("grads_chunked" in (p.get(v) or {}) for p in results["problems"] for v in ours)
+    header = ["problem", "cases (in order)"] + cols
+    for v in ours:
+        header += [f"{v} batched graphs", f"{v} fallbacks"] + ([f"{v} chunked grads"] if chunked else [])
     body = []
     for problem in results["problems"]:
-        counts = [("–" if problem["graphs"].get(v) is None else str(problem["graphs"][v])) for v in cols]
-        delta = problem.get("dynbatch") or {}
-        body.append([problem["problem"], ", ".join(c["label"] for c in problem["cases"])] + counts
-                    + [str(delta.get("graphs_batched", "–")), str(delta.get("fallbacks", 0))])
-    return table(["problem", "cases (in order)"] + cols + ["dynbatch batched graphs", "dynbatch fallbacks"], body)
+        row = [problem["problem"], ", ".join(c["label"] for c in problem["cases"])]
+        row += [("–" if problem["graphs"].get(v) is None else str(problem["graphs"][v])) for v in cols]
+        for v in ours:
+            delta = problem.get(v) or {}
+            fallbacks = str(delta.get("fallbacks", 0) if delta else "–")
+            for reason in dict.fromkeys(delta.get("fallback_reasons") or []):
+                fallbacks += " " + notes.cell(v, problem["problem"], f"fell back: {reason}").rsplit(" ", 1)[1]
+            row += [str(delta.get("graphs_batched", "–")), fallbacks]
+            if chunked:
+                row.append(str(delta.get("grads_chunked", "–")))
+        body.append(row)
+    return table(header, body)
 
 
 def floors_list(results) -> str:
@@ -210,6 +232,17 @@ def floors_list(results) -> str:
         whats = sorted({c.get("floor", {}).get("what", "") for c in problem["cases"]})
         lines.append(f"- **{problem['problem']}**: {problem['description']}. Floor: {'; '.join(whats)}.")
     return "\n".join(lines)
+
+
+def memory_note(meta: dict[str, Any]) -> str:
+    """How the memory guard decided which cells to skip (docs/benchmarks.md)."""
+    available = meta.get("memory_available_at_start")
+    headroom = meta.get("memory_headroom")
+    if not available or not headroom:
+        return ""
+    return (f"Cells \"skipped: needs about ...\" were not run: the case's estimate for the samples the column "
+            f"holds at once (or the column's own peak on a smaller case, scaled) exceeded {headroom:g} of the "
+            f"memory available, {fmt(available, 1 / 2 ** 30)} GiB at the start.")
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -236,13 +269,12 @@ def markdown(results: dict[str, Any]) -> str:
         simple_table(results, notes, "first_call_s", 1.0, "s"),
         "## Peak memory",
         f"MiB; {meta['memory_method']}. A cell measured another way shows n/a (JAX's memory is outside "
-        "torch's allocators; its sampled RSS growth is in results.json).",
-        simple_table(results, notes, "peak_mem_bytes", 1 / 2 ** 20, "MiB",
-                     usable=lambda cell: cell.get("mem_method", meta["memory_method"]) == meta["memory_method"]),
+        "torch's allocators; its sampled RSS growth is in results.json). " + memory_note(meta),
+        simple_table(results, notes, "peak_mem_bytes", 1 / 2 ** 20, "MiB", usable=same_memory_method(meta)),
         "## Graphs compiled over each problem's cases",
         "Dynamo graphs (JAX: jit cache entries) compiled while the column ran the cases in the order "
         "listed; a batch size that stays symbolic needs no new graph.",
-        graphs_table(results),
+        graphs_table(results, notes),
         "## Max abs error against eager_loop",
         error_table(results, notes),
         "## Problems and floors",

@@ -47,6 +47,7 @@ class Settings:
     stock_workloads: tuple[str, ...] | None = None
     # Start the stock worker in the background (its import then overlaps the first timings).
     overlap_stock_start: bool = False
+    atoms: tuple[int, ...] | None = None  # replaces the tier's atom counts of workloads.ATOM_WORKLOADS
 
 
 def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
@@ -72,15 +73,17 @@ def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambd
                 bar.set_description("starting the stock-compile worker")
                 stock_column.start(wait=not settings.overlap_stock_start)
             for i, name in enumerate(settings.workloads):
-                problems = workloads.build(name, settings.tier, settings.batch_sizes, settings.device)
+                problems = workloads.build(name, settings.tier, settings.batch_sizes, settings.device,
+                                           settings.atoms)
                 bar.total += sum(len(p.cases) * (len(settings.variants) + 1) for p in problems)
                 bar.refresh()
                 for index, problem in enumerate(problems):
                     prefix = f"[{i + 1}/{len(settings.workloads)}] {problem.name}"
                     results["problems"].append(_run_problem(problem, index, settings, stock_column, bar, prefix))
                     on_problem(results)
+                big = any(_is_big(p) for p in problems)
                 del problems
-                _free_memory(settings.device)
+                _free_memory(settings.device, big)
             results["meta"]["loadavg_at_end"] = _loadavg()
         finally:
             bar.close()
@@ -116,7 +119,8 @@ def _run_column(variant, problem, settings: Settings, references, out, bar) -> N
     # Each compiled column starts from empty Inductor caches: dynbatch and
     # compiled_func often generate identical kernels, and the second would
     # otherwise find the first's and report a compile it never paid for.
-    fresh = settings.cold_compile_cache and variant in ("compiled_func", "dynbatch", "dynbatch_outside")
+    fresh = settings.cold_compile_cache and variant in (
+        "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_outside")
     with _fresh_inductor_cache() if fresh else contextlib.nullcontext():
         _run_column_cases(variant, problem, settings, references, out, bar)
 
@@ -131,8 +135,14 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
             record["variants"][variant] = {"status": f"skipped: {e}"}
         bar.update(len(cases))
         return
+    earlier: list[tuple[Any, dict[str, Any]]] = []  # (case, cell) of this column, for the memory guard
     for i, (case, record) in enumerate(zip(problem.cases, cases)):
-        args = runner.prepare(case)
+        too_big = memory_guard(variant, case, device, earlier)
+        if too_big:
+            record["variants"][variant] = {"status": f"skipped: {too_big}"}
+            bar.update(1)
+            continue
+        args, result = runner.prepare(case), None
         try:
             cell, result = measure.measure_cell(functools.partial(runner.call, *args), device, settings.budget,
                                                 runner.to_torch, references[i], runner.torch_tensors)
@@ -143,15 +153,16 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
         except Exception as e:  # noqa: BLE001 - a crashing column is a result, not a reason to stop
             cell = {"status": f"crashed: {measure.short_error(e)}"}
         record["variants"][variant] = cell
-        del args
+        earlier.append((case, cell))
+        del args, result
         bar.update(1)
     out["graphs"][variant] = runner.compiles()
     if runner.note:
         out["notes"][variant] = runner.note
-    if variant == "dynbatch":
-        out["dynbatch"] = _dynbatch_delta(before)
+    if variant in ("dynbatch", "dynbatch_budget"):
+        out[variant] = _dynbatch_delta(before)
     del runner
-    _free_memory(device)
+    _free_memory(device, _is_big(problem))
 
 
 def _run_stock(problem, index: int, settings: Settings, stock_column, references, out, bar) -> None:
@@ -165,11 +176,69 @@ def _run_stock(problem, index: int, settings: Settings, stock_column, references
         workload=problem.workload, index=index, tier=settings.tier,
         batch_sizes=settings.batch_sizes, device=str(settings.device), budget=settings.budget,
         references=tuple(None if r is None else r.detach().cpu().numpy() for r in references),
+        atoms=settings.atoms,
+        skips=tuple(memory_guard("stock_compile", case, settings.device, []) for case in problem.cases),
     )
     cells, graphs = stock_column.run(task, len(out["cases"]), on_case=lambda: bar.update(1))
     for record, cell in zip(out["cases"], cells):
         record["variants"]["stock_compile"] = cell
     out["graphs"]["stock_compile"] = graphs
+
+
+# --- the memory guard -------------------------------------------------------------
+# A case that carries an estimate (Case.batched_memory) can need more memory than
+# the machine has: full_hessian's batched backward holds B = 3N copies of N x N pair
+# tensors.  Such a cell is skipped, with the figures in its status, rather than
+# started: on the CPU the kernel's OOM killer would end the whole run, on CUDA the
+# allocator's failure would leave the device fragmented for the next columns.
+
+# Run a cell only if what it needs fits in this share of the memory available
+# (the rest: other processes, allocator slack, the estimate's error).
+MEMORY_HEADROOM = 0.8
+
+
+def memory_guard(variant: str, case, device: torch.device, earlier) -> str | None:
+    """Why ``variant`` must not run ``case`` (None: it fits).
+
+    What the column needs: scaled from its own measured peak on an earlier case
+    of the problem when there is one (``earlier``: (case, cell) pairs), so a
+    budget that dynbatch honours shows in its figures and one it does not is not
+    trusted; else the case's estimate for the samples the column holds at once
+    (variants.samples_held).  Either way it grows with (samples held) x N^2.
+    """
+    if case.batched_memory is None:
+        return None
+    compiled = variant in variants.COMPILED
+    held = variants.samples_held(variant, case.batch)
+
+    def estimate(c) -> float:
+        return c.batched_memory.bytes(compiled) * variants.samples_held(variant, c.batch) / c.batch
+
+    method = measure.memory_method(device)
+    need, how = estimate(case), f"estimated for {held} of its B={case.batch} samples at once"
+    for before, cell in reversed(earlier):
+        peak = cell.get("peak_mem_bytes") or 0
+        if before.batched_memory is not None and cell.get("mem_method") == method and peak > 0:
+            need = peak * estimate(case) / estimate(before)
+            how = f"its {_gib(peak)} peak at {before.label}, scaled with samples held x N^2"
+            break
+    available, where = available_memory(device)
+    if available is None or need <= MEMORY_HEADROOM * available:
+        return None
+    return f"needs about {_gib(need)} ({how}); {_gib(available)} available ({where})"
+
+
+def available_memory(device: torch.device) -> tuple[int | None, str]:
+    """Bytes this process could still allocate on ``device``, and where that figure comes from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, "cudaMemGetInfo free + torch's cached blocks"
+    return dynbatch.memory.available_ram(), "MemAvailable in /proc/meminfo"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.3g} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.3g} MiB"
 
 
 def _time_floor(floor, device: torch.device, budget: measure.Budget) -> dict[str, Any]:
@@ -191,10 +260,25 @@ def _dynbatch_delta(before: dict[str, int]) -> dict[str, Any]:
     return delta
 
 
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
+def _free_memory(device: torch.device, big: bool = True) -> None:
+    """Collect what the last column left in reference cycles before the next one runs.
+
+    A full collection takes ~0.3 s once Dynamo and Inductor are loaded: done after
+    problems whose tensors are big enough to matter, and always on CUDA (where
+    ``empty_cache`` then returns the blocks), not after the tiny ones (--quick).
+    """
+    if big or device.type == "cuda":
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _is_big(problem) -> bool:
+    """Inputs of 1 MiB or more, or a case whose batched backward is estimated at 64 MiB or more."""
+    inputs = sum(c.x.numel() * c.x.element_size() + c.cotangents.numel() * c.cotangents.element_size()
+                 for c in problem.cases)
+    return inputs >= 2 ** 20 or any(c.batched_memory is not None and c.batched_memory.eager >= 2 ** 26
+                                    for c in problem.cases)
 
 
 def _fresh_inductor_cache():
@@ -246,6 +330,9 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "workloads": list(settings.workloads),
         "variants": list(settings.variants),
         "batch_sizes": list(settings.batch_sizes) if settings.batch_sizes else None,
+        "atoms": list(settings.atoms) if settings.atoms else None,
+        "memory_headroom": MEMORY_HEADROOM,
+        "memory_available_at_start": available_memory(device)[0],
         "budget": dataclasses.asdict(settings.budget),
         "stock_timeout_s": settings.stock_timeout_s,
         "stock_workloads": list(settings.stock_workloads) if settings.stock_workloads is not None else None,

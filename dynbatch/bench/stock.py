@@ -34,6 +34,8 @@ class Task:
     device: str
     budget: measure.Budget
     references: tuple[Any, ...]  # numpy arrays (or None): eager_loop's result per case
+    atoms: tuple[int, ...] | None = None  # workloads.build's atoms
+    skips: tuple[str | None, ...] = ()  # per case: why not to run it (the parent's memory guard), or None
 
 
 def worker(conn, threads: int | None = None) -> None:
@@ -61,14 +63,18 @@ def _run(conn, task: Task) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     try:
-        problem = workloads.build(task.workload, task.tier, task.batch_sizes, device)[task.index]
+        problem = workloads.build(task.workload, task.tier, task.batch_sizes, device, task.atoms)[task.index]
         runner = variants.build("stock_compile", problem, device)
     except Exception as e:  # noqa: BLE001 - report it per case rather than kill the worker
         for _ in task.references:
             conn.send(("case", {"status": f"crashed: {measure.short_error(e)}"}))
         conn.send(("done", None))
         return
-    for case, ref in zip(problem.cases, task.references):
+    skips = task.skips or (None,) * len(task.references)
+    for case, ref, skip in zip(problem.cases, task.references, skips):
+        if skip:
+            conn.send(("case", {"status": f"skipped: {skip}"}))
+            continue
         args = runner.prepare(case)
         try:
             cell, _ = measure.measure_cell(functools.partial(runner.call, *args), device, task.budget, runner.to_torch,

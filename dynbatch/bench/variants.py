@@ -16,20 +16,31 @@ import torch
 
 from .problem import Case, Problem
 
-VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "stock_compile", "compiled_func", "dynbatch",
-            "dynbatch_outside", "jax")
+VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "eager_vmap_chunked", "stock_compile", "compiled_func",
+            "dynbatch", "dynbatch_budget", "dynbatch_outside", "jax")
 REFERENCE = "eager_batched"  # every ratio in the report is over this column
 TRUTH = "eager_loop"  # errors are measured against this column
-COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_outside", "jax")
+COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_outside", "jax")
+
+# eager_vmap_chunked: torch.func.vmap(..., chunk_size=VMAP_CHUNK) runs this many samples at a time.
+VMAP_CHUNK = 32
+# dynbatch_budget: the dynbatch.memory_budget option it compiles with, a tight one
+# (the batched backward's B-dependent tensors must fit in it, chunked if need be).
+TIGHT_BUDGET = 256 * 2 ** 20
 
 DESCRIPTIONS = {
     "eager_loop": "loop of torch.autograd.grad(..., retain_graph=True) over the B cotangents, stacked",
     "eager_batched": "eager torch.autograd.grad(..., is_grads_batched=True) (legacy vmap); the reference for ratios",
     "eager_vmap": "torch.func.vmap over torch.func.vjp, eager",
+    "eager_vmap_chunked": f"torch.func.vmap(..., chunk_size={VMAP_CHUNK}) over torch.func.vjp, eager: "
+                          f"{VMAP_CHUNK} samples at a time",
     "stock_compile": "stock torch.compile (Inductor) of the is_grads_batched code with "
                      "torch._dynamo.config.trace_autograd_ops=True, in a subprocess with a time limit",
     "compiled_func": "torch.compile (Inductor) of the torch.func vmap/vjp code",
     "dynbatch": 'torch.compile(backend="dynbatch") of the is_grads_batched code',
+    "dynbatch_budget": 'torch.compile(backend="dynbatch", options={"dynbatch.memory_budget": '
+                       f"{TIGHT_BUDGET}}}) of the is_grads_batched code: a tight budget of "
+                       f"{TIGHT_BUDGET / 2 ** 20:g} MiB for the batched backward's B-dependent tensors",
     "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone; the is_grads_batched grad taken '
                         "outside it, in eager code (the region's compiled batched backward)",
     "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
@@ -99,12 +110,25 @@ def outside_program(problem: Problem) -> Callable:
     return outside
 
 
-def vmap_program(problem: Problem) -> Callable:
+def vmap_program(problem: Problem, chunk_size: int | None = None) -> Callable:
     def vmapped(x, cotangents):
         _, vjp_fn = torch.func.vjp(problem.func_f, x)
-        return _finish(problem, torch.func.vmap(vjp_fn)(cotangents)[0])
+        return _finish(problem, torch.func.vmap(vjp_fn, chunk_size=chunk_size)(cotangents)[0])
 
     return vmapped
+
+
+def samples_held(variant: str, batch: int) -> int:
+    """How many of a case's B samples a column's backward holds at once, by its design.
+
+    ``dynbatch_budget`` counts all B: whether its budget is honoured is measured,
+    not assumed (runner.py's memory guard).
+    """
+    if variant == "eager_loop":
+        return 1
+    if variant == "eager_vmap_chunked":
+        return min(batch, VMAP_CHUNK)
+    return batch
 
 
 def chunked(fn: Callable, chunk: int | None, concat: Callable) -> Callable:
@@ -148,6 +172,8 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
         return _torch_runner(variant, problem, batched_program(problem))
     if variant == "eager_vmap":
         return _torch_runner(variant, problem, vmap_program(problem))
+    if variant == "eager_vmap_chunked":
+        return _torch_runner(variant, problem, vmap_program(problem, chunk_size=VMAP_CHUNK))
     if variant == "stock_compile":
         # Only ever built in the stock subprocess (stock.py), which sets
         # torch._dynamo.config.trace_autograd_ops=True for its whole process.
@@ -156,6 +182,10 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
         return _torch_runner(variant, problem, torch.compile(vmap_program(problem)), compiled=True)
     if variant == "dynbatch":
         return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch"),
+                             compiled=True)
+    if variant == "dynbatch_budget":
+        return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch",
+                                                             options={"dynbatch.memory_budget": TIGHT_BUDGET}),
                              compiled=True)
     if variant == "dynbatch_outside":
         return _torch_runner(variant, problem, outside_program(problem), compiled=True)

@@ -1,6 +1,7 @@
 """The benchmark's workloads: the functions differentiated, their sizes and floors.
 
-Each workload is a builder ``(tier, batch_sizes, device) -> [Problem]``.  It
+Each workload is a builder ``(tier, batch_sizes, device) -> [Problem]`` (those in
+``ATOM_WORKLOADS`` also take ``atoms=``, the atom counts that replace the tier's).  It
 says what is computed (torch, torch.func and JAX dialects of the same
 function), never how a variant batches it: that is variants.py.  Inputs come
 from fixed seeds, so a subprocess that rebuilds a problem (the stock
@@ -17,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .problem import Case, Problem, conv_input_grad_floor, mm_floor
+from .problem import BatchedMemory, Case, Problem, conv_input_grad_floor, mm_floor
 
 TIERS = ("quick", "cpu", "cuda")
 
@@ -295,6 +296,7 @@ def hessian(tier: str, batch_sizes, device) -> list[Problem]:
 
 
 # --- 6. lj_forces -------------------------------------------------------------
+# The pair-potential helpers are shared with full_hessian (section 9).
 
 _LJ = {"quick": ([4], 5), "cpu": ([24, 100], 32), "cuda": ([24, 100, 500], 128)}
 
@@ -306,35 +308,73 @@ def _lattice(n: int, gen: torch.Generator) -> torch.Tensor:
     return grid.float() * 1.12 + 0.05 * torch.randn(n, 3, generator=gen)
 
 
-def lj_forces(tier: str, batch_sizes, device) -> list[Problem]:
-    """Pairwise Lennard-Jones energy: forces by plain grad, the Hessian by batched grad in chunks."""
-    sizes, chunk = _LJ[tier]
+def _pair_r2(pos: torch.Tensor) -> torch.Tensor:
+    """Squared pair distances ``[N, N]``; + eye keeps the diagonal finite (its terms are masked off)."""
+    n = pos.shape[0]
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+    return (diff * diff).sum(-1) + torch.eye(n, dtype=pos.dtype, device=pos.device)
 
-    def energy(pos):
-        n = pos.shape[0]
-        diff = pos.unsqueeze(1) - pos.unsqueeze(0)
-        # + eye keeps the diagonal finite; the triu mask drops it and the double count.
-        r2 = (diff * diff).sum(-1) + torch.eye(n, dtype=pos.dtype, device=pos.device)
-        inv6 = r2.pow(-3)
-        return (4 * (inv6 * inv6 - inv6) * torch.ones(n, n, dtype=pos.dtype, device=pos.device).triu(1)).sum()
+
+def _sum_pairs(terms: torch.Tensor) -> torch.Tensor:
+    """Sum of ``terms[i, j]`` over i < j: the triu mask drops the diagonal and the double count."""
+    n = terms.shape[0]
+    return (terms * torch.ones(n, n, dtype=terms.dtype, device=terms.device).triu(1)).sum()
+
+
+def _lj_energy(pos: torch.Tensor) -> torch.Tensor:
+    """Lennard-Jones energy (epsilon = sigma = 1) of the atoms at ``pos`` ``[N, 3]``."""
+    inv6 = _pair_r2(pos).pow(-3)
+    return _sum_pairs(4 * (inv6 * inv6 - inv6))
+
+
+def _jax_pair_r2(pos):
+    import jax.numpy as jnp
+
+    diff = pos[:, None, :] - pos[None, :, :]
+    return (diff * diff).sum(-1) + jnp.eye(pos.shape[0], dtype=pos.dtype)
+
+
+def _jax_sum_pairs(terms):
+    import jax.numpy as jnp
+
+    return (terms * jnp.triu(jnp.ones(terms.shape[:2], terms.dtype), 1)).sum()
+
+
+def _jax_lj_energy(pos):
+    inv6 = _jax_pair_r2(pos) ** -3
+    return _jax_sum_pairs(4 * (inv6 * inv6 - inv6))
+
+
+def _forces_graph(energy: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``pos -> dE/dpos`` with ``create_graph=True``: the function whose batched VJPs are Hessian rows."""
 
     def forces_graph(pos):
         pos_ = pos if pos.requires_grad else pos.detach().requires_grad_()
         return torch.autograd.grad(energy(pos_), pos_, create_graph=True)[0]
 
-    def jax_f():
+    return forces_graph
+
+
+def _jax_forces(jax_energy_builder: Callable[[], Callable]):
+    """The JAX dialect of :func:`_forces_graph`: ``jax.grad`` of the energy."""
+
+    def build():
         import jax
-        import jax.numpy as jnp
 
-        def energy_jax(pos):
-            n = pos.shape[0]
-            diff = pos[:, None, :] - pos[None, :, :]
-            r2 = (diff * diff).sum(-1) + jnp.eye(n, dtype=pos.dtype)
-            inv6 = r2 ** -3
-            return (4 * (inv6 * inv6 - inv6) * jnp.triu(jnp.ones((n, n), pos.dtype), 1)).sum()
+        return jax.grad(jax_energy_builder())
 
-        return jax.grad(energy_jax)
+    return build
 
+
+def _hessian_basis(n: int, device) -> torch.Tensor:
+    """The 3N basis cotangents, ``V[k] = e_k`` shaped like the forces: ``[3N, N, 3]``."""
+    return torch.eye(3 * n, device=device).view(3 * n, n, 3)
+
+
+def lj_forces(tier: str, batch_sizes, device, atoms=None) -> list[Problem]:
+    """Pairwise Lennard-Jones energy: forces by plain grad, the Hessian by batched grad in chunks."""
+    sizes, chunk = _LJ[tier]
+    sizes = atoms or sizes
     cases = []
     for n in sizes:
         pos = _lattice(n, _gen(60 + n)).to(device)
@@ -344,12 +384,13 @@ def lj_forces(tier: str, batch_sizes, device) -> list[Problem]:
         # formulation cannot reach (docs/benchmarks.md).
         floor = mm_floor([(rows, rows, min(chunk, rows - i)) for i in range(0, rows, chunk)],
                          f"an assembled Hessian times the basis, chunk by chunk: [3N, 3N] @ [3N, C], C<={chunk}")
-        cases.append(Case(f"N={n}", rows, pos, torch.eye(rows, device=device).view(rows, n, 3), floor))
+        cases.append(Case(f"N={n}", rows, pos, _hessian_basis(n, device), floor))
     return [Problem(
         workload="lj_forces", name="lj_forces",
         description=f"Lennard-Jones energy over N atoms; forces by create_graph grad, the Hessian by batched "
                     f"grad over the 3N basis in chunks of {chunk} (the last chunk ragged)",
-        f=forces_graph, f_func=torch.func.grad(energy), cases=cases, chunk=chunk, jax_f=jax_f,
+        f=_forces_graph(_lj_energy), f_func=torch.func.grad(_lj_energy), cases=cases, chunk=chunk,
+        jax_f=_jax_forces(lambda: _jax_lj_energy),
     )]
 
 
@@ -429,6 +470,98 @@ def sweep(tier: str, batch_sizes, device) -> list[Problem]:
     )]
 
 
+# --- 9. full_hessian ----------------------------------------------------------
+# The whole Hessian in ONE batched grad over the 3N basis (B = 3N): the batched
+# backward holds B copies of the [N, N] pair tensors at once, B * N^2 grows as N^3,
+# and the largest sizes need more memory than the machine has unless the backward
+# is chunked.  Each case carries an estimate of that unchunked peak
+# (Case.batched_memory); the runner skips a column whose share does not fit.
+
+# Atom counts per tier: (Lennard-Jones, learned pair potential).
+# On 2 CPU cores the eager columns take seconds per call from N = 200 (LJ) and
+# N = 128 (pair_mlp), and the eager loop minutes at N = 1000: larger N on the
+# CPU with --atoms.
+_FULL_HESS = {"quick": ([4], [4]), "cpu": ([50, 100, 200], [32, 64, 128]),
+              "cuda": ([200, 500, 1000], [100, 200, 400])}
+# Peak memory of an unchunked batched backward in 4-byte floats per sample and atom
+# pair, (eager, compiled): peak_mem_bytes / (B * N^2 * 4) measured on the CPU at
+# N = 16..100, the largest over the eager columns (eager_batched, eager_vmap) and
+# over the compiled ones (compiled_func, dynbatch), rounded up: Lennard-Jones
+# 15.1 and 4.1, the learned potential 68.4 and 33.2.
+_LJ_FLOATS_PER_PAIR = (16, 5)
+_PAIR_MLP_FLOATS_PER_PAIR = (72, 40)
+_RBF, _HIDDEN = 8, 16  # the learned potential: 8 Gaussian radial features -> 16 tanh units -> 1
+
+
+def _pair_mlp_params(gen: torch.Generator, device) -> tuple[torch.Tensor, ...]:
+    """Weights of a small pair potential, as if trained: RBF centres over the lattice's first shells."""
+    centres = torch.linspace(0.8, 4.0, _RBF).to(device)
+    w1 = _randn(gen, _RBF, _HIDDEN, scale=_RBF ** -0.5, device=device)
+    b1 = _randn(gen, _HIDDEN, scale=0.1, device=device)
+    w2 = _randn(gen, _HIDDEN, scale=_HIDDEN ** -0.5, device=device)
+    return centres, w1, b1, w2
+
+
+_RBF_GAMMA = 4.0  # Gaussian width: exp(-gamma (r - c)^2), centres 0.46 apart
+
+
+def _pair_mlp_energy(params: tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A learned pair potential: E = sum_{i<j} MLP(rbf(r_ij)), a tanh MLP 8 -> 16 -> 1 per pair."""
+    centres, w1, b1, w2 = params
+
+    def energy(pos):
+        r = _pair_r2(pos).sqrt()
+        rbf = torch.exp(-_RBF_GAMMA * (r.unsqueeze(-1) - centres) ** 2)  # [N, N, 8]
+        return _sum_pairs(torch.tanh(rbf @ w1 + b1) @ w2)  # [N, N, 16] -> [N, N]
+
+    return energy
+
+
+def _jax_pair_mlp_energy(params: tuple[torch.Tensor, ...]):
+    def build():
+        import jax.numpy as jnp
+
+        centres, w1, b1, w2 = (jnp.asarray(_numpy(t)) for t in params)
+
+        def energy(pos):
+            r = jnp.sqrt(_jax_pair_r2(pos))
+            rbf = jnp.exp(-_RBF_GAMMA * (r[..., None] - centres) ** 2)
+            return _jax_sum_pairs(jnp.tanh(rbf @ w1 + b1) @ w2)
+
+        return energy
+
+    return build
+
+
+def full_hessian(tier: str, batch_sizes, device, atoms=None) -> list[Problem]:
+    """The full 3N x 3N Hessian of two pair energies, each in one batched grad (B = 3N, no chunks)."""
+    lj_sizes, mlp_sizes = _FULL_HESS[tier]
+    params = _pair_mlp_params(_gen(90), device)
+    energies = [
+        ("lj", "Lennard-Jones", _lj_energy, lambda: _jax_lj_energy, atoms or lj_sizes, _LJ_FLOATS_PER_PAIR),
+        ("pair_mlp", f"a learned pair potential (r_ij -> {_RBF} Gaussian radial features -> tanh MLP "
+                     f"{_RBF} -> {_HIDDEN} -> 1, summed over i<j)",
+         _pair_mlp_energy(params), _jax_pair_mlp_energy(params), atoms or mlp_sizes, _PAIR_MLP_FLOATS_PER_PAIR),
+    ]
+    problems = []
+    for key, what, energy, jax_energy, sizes, floats_per_pair in energies:
+        cases = []
+        for n in sizes:
+            rows = 3 * n
+            floor = mm_floor([(rows, rows, rows)], "an assembled Hessian times the full basis: [3N, 3N] @ [3N, 3N]")
+            memory = BatchedMemory(*(rows * n * n * 4 * floats for floats in floats_per_pair))
+            cases.append(Case(f"N={n}", rows, _lattice(n, _gen(900 + n)).to(device), _hessian_basis(n, device),
+                              floor, batched_memory=memory))
+        problems.append(Problem(
+            workload="full_hessian", name=f"full_hessian/{key}",
+            description=f"the full Hessian of {what} over N atoms: forces by create_graph grad, then ONE "
+                        "batched grad over the whole 3N basis (B = 3N, unchunked)",
+            f=_forces_graph(energy), f_func=torch.func.grad(energy), cases=cases,
+            jax_f=_jax_forces(jax_energy),
+        ))
+    return problems
+
+
 WORKLOADS: dict[str, Callable[..., list[Problem]]] = {
     "mlp_jacobian": mlp_jacobian,
     "gelu_vjp": gelu_vjp,
@@ -438,12 +571,18 @@ WORKLOADS: dict[str, Callable[..., list[Problem]]] = {
     "lj_forces": lj_forces,
     "cnn_jacobian": cnn_jacobian,
     "sweep": sweep,
+    "full_hessian": full_hessian,
 }
+# Workloads sized by an atom count N (B = 3N), which --atoms replaces.
+ATOM_WORKLOADS = ("lj_forces", "full_hessian")
 
 
-def build(workload: str, tier: str, batch_sizes: Sequence[int] | None, device) -> list[Problem]:
+def build(workload: str, tier: str, batch_sizes: Sequence[int] | None, device,
+          atoms: Sequence[int] | None = None) -> list[Problem]:
+    """The problems of one workload; ``atoms`` replaces the tier's atom counts of ATOM_WORKLOADS."""
     if workload not in WORKLOADS:
         raise KeyError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
     if tier not in TIERS:
         raise KeyError(f"unknown size tier {tier!r}; choose from {TIERS}")
-    return WORKLOADS[workload](tier, list(batch_sizes) if batch_sizes else None, torch.device(device))
+    extra = {"atoms": list(atoms)} if atoms and workload in ATOM_WORKLOADS else {}
+    return WORKLOADS[workload](tier, list(batch_sizes) if batch_sizes else None, torch.device(device), **extra)
