@@ -64,7 +64,9 @@ class Stats:
                 self.fallback_reasons[record.fallback_reason] += 1
             elif record.batched:
                 self.counters["graphs_batched"] += 1
-            self.counters["grads_chunked"] += sum(p.applied for p in record.memory_plan)
+            chunked = sum(p.applied for p in record.memory_plan)
+            if chunked:
+                self.counters["grads_chunked"] += chunked
 
 
 STATS = Stats()

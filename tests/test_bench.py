@@ -213,14 +213,17 @@ def test_memory_guard_skips_what_does_not_fit():
     huge = dataclasses.replace(case, batched_memory=BatchedMemory(eager=10 * available, compiled=5 * available))
     reason = runner.memory_guard("eager_batched", huge, cpu, [])
     assert reason and reason.startswith("needs about") and "B=300" in reason
-    assert runner.memory_guard("dynbatch", huge, cpu, [])  # compiled: 5x available, still too much
+    assert runner.memory_guard("compiled_func", huge, cpu, [])  # compiled: 5x available, still too much
+    # dynbatch's columns hold at most their budget (dynbatch's plan chunks the rest)
+    assert runner.memory_guard("dynbatch", huge, cpu, []) is None
+    assert runner.memory_guard("dynbatch_budget", huge, cpu, []) is None
     # the loop holds one sample of 300, the chunked vmap VMAP_CHUNK of them
     assert runner.memory_guard("eager_loop", huge, cpu, []) is None
     assert variants.samples_held("eager_vmap_chunked", 300) == variants.VMAP_CHUNK
     # a column's own measured peak on a smaller case, scaled, replaces the estimate
     small = dataclasses.replace(huge, batch=30, batched_memory=BatchedMemory(eager=available, compiled=available // 2))
-    honoured = {"status": "ok", "peak_mem_bytes": 2 ** 20, "mem_method": memory_method(cpu)}
-    assert runner.memory_guard("dynbatch_budget", huge, cpu, [(small, honoured)]) is None
-    ignored = dict(honoured, peak_mem_bytes=available)
-    assert "peak at" in runner.memory_guard("dynbatch_budget", huge, cpu, [(small, ignored)])
+    measured = {"status": "ok", "peak_mem_bytes": 2 ** 20, "mem_method": memory_method(cpu)}
+    assert runner.memory_guard("compiled_func", huge, cpu, [(small, measured)]) is None
+    grown = dict(measured, peak_mem_bytes=available)
+    assert "peak at" in runner.memory_guard("compiled_func", huge, cpu, [(small, grown)])
     assert runner.memory_guard("eager_batched", case, cpu, []) is None  # the real estimate fits

@@ -201,10 +201,11 @@ def memory_guard(variant: str, case, device: torch.device, earlier) -> str | Non
     """Why ``variant`` must not run ``case`` (None: it fits).
 
     What the column needs: scaled from its own measured peak on an earlier case
-    of the problem when there is one (``earlier``: (case, cell) pairs), so a
-    budget that dynbatch honours shows in its figures and one it does not is not
-    trusted; else the case's estimate for the samples the column holds at once
-    (variants.samples_held).  Either way it grows with (samples held) x N^2.
+    of the problem when there is one (``earlier``: (case, cell) pairs), else the
+    case's estimate for the samples the column holds at once
+    (variants.samples_held); either way it grows with (samples held) x N^2.
+    dynbatch's columns need at most 1.25 x their memory budget, which its plan
+    keeps (tests/test_memory_budget.py).
     """
     if case.batched_memory is None:
         return None
@@ -222,6 +223,10 @@ def memory_guard(variant: str, case, device: torch.device, earlier) -> str | Non
             need = peak * estimate(case) / estimate(before)
             how = f"its {_gib(peak)} peak at {before.label}, scaled with samples held x N^2"
             break
+    budget = variants.memory_budget(variant, device)
+    if budget is not None and need > 1.25 * budget:
+        # dynbatch's plan keeps its batched backwards within the budget (tests/test_memory_budget.py)
+        need, how = 1.25 * budget, f"1.25 x its {_gib(budget)} memory budget"
     available, where = available_memory(device)
     if available is None or need <= MEMORY_HEADROOM * available:
         return None

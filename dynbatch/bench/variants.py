@@ -119,16 +119,24 @@ def vmap_program(problem: Problem, chunk_size: int | None = None) -> Callable:
 
 
 def samples_held(variant: str, batch: int) -> int:
-    """How many of a case's B samples a column's backward holds at once, by its design.
-
-    ``dynbatch_budget`` counts all B: whether its budget is honoured is measured,
-    not assumed (runner.py's memory guard).
-    """
+    """How many of a case's B samples a column's backward holds at once, by its design
+    (dynbatch's columns: all B, bounded in bytes by memory_budget)."""
     if variant == "eager_loop":
         return 1
     if variant == "eager_vmap_chunked":
         return min(batch, VMAP_CHUNK)
     return batch
+
+
+def memory_budget(variant: str, device: torch.device) -> int | None:
+    """The bytes dynbatch's plan lets a column's batched backwards hold (None: no bound)."""
+    import dynbatch.memory
+
+    if variant in ("dynbatch", "dynbatch_outside"):
+        return dynbatch.memory.resolve_budget("auto", [torch.zeros(1, device=device)])
+    if variant == "dynbatch_budget":
+        return dynbatch.options.parse_memory_budget(TIGHT_BUDGET)
+    return None
 
 
 def chunked(fn: Callable, chunk: int | None, concat: Callable) -> Callable:
