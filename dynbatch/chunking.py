@@ -240,12 +240,12 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
         raise Refused(f"{users[0].name} reads a grad that is None")
 
     # The part of the graph a re-run needs: every node on a path from an input to an output.
-    after_inputs = _descendants(inputs)
-    before_outputs = _ancestors(outputs) | set(outputs)
+    after_inputs = memory.descendants(inputs)
+    before_outputs = memory.ancestors(outputs) | set(outputs)
     part = [n for n in original.graph.nodes if n in after_inputs and n in before_outputs]
     if not set(outputs) <= set(part):
         raise Refused("an output does not depend on the inputs")
-    upstream = _ancestors(inputs)
+    upstream = memory.ancestors(inputs)
     for n in part:
         _check_rerunnable(n, upstream)
     in_part = set(part) | set(inputs)
@@ -344,26 +344,6 @@ def _collect_deps(part, in_part: set, deps: list, ints: list, pulled: list) -> N
     order = {n: i for i, n in enumerate(part[0].graph.nodes)} if part else {}
     deps.sort(key=order.get)
     ints.sort(key=order.get)
-
-
-def _descendants(roots) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
-
-
-def _ancestors(roots) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        for arg in todo.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                todo.append(arg)
-    return seen
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, program: ChunkProgram, args: dict, by_name) -> None:

@@ -155,7 +155,7 @@ def observe(gm: torch.fx.GraphModule, fused: bool = False) -> dict[str, Estimate
 
 
 def _estimate(graph: torch.fx.Graph, grad: str, cotangents, grads, fused: bool) -> Estimate:
-    region = _descendants(cotangents) & _ancestors(grads)
+    region = descendants(cotangents) & ancestors(grads)
     order = [n for n in graph.nodes if n in region and not _is_marker(n)]
     last_use = {}
     for i, node in enumerate(order):
@@ -174,25 +174,23 @@ def _estimate(graph: torch.fx.Graph, grad: str, cotangents, grads, fused: bool) 
     return Estimate(grad, batch, tuple(s for s in steps if s != 0), hints)
 
 
-def _descendants(roots) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
+def descendants(roots) -> set[torch.fx.Node]:
+    """Every node that reads, directly or not, one of ``roots`` (roots excluded)."""
+    return _closure(roots, lambda node: node.users)
 
 
-def _ancestors(roots) -> set:
+def ancestors(roots) -> set[torch.fx.Node]:
+    """Every node one of ``roots`` reads, directly or not (roots excluded)."""
+    return _closure(roots, lambda node: node.all_input_nodes)
+
+
+def _closure(roots, step) -> set[torch.fx.Node]:
     seen, todo = set(), list(roots)
     while todo:
-        node = todo.pop()
-        for arg in node.all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                todo.append(arg)
+        for nxt in step(todo.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
     return seen
 
 
