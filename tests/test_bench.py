@@ -208,7 +208,7 @@ def test_memory_guard_skips_what_does_not_fit():
     cpu = torch.device("cpu")
     available, _ = runner.available_memory(cpu)
     if available is None:
-        pytest.skip("no MemAvailable here")
+        pytest.skip(reason="no MemAvailable here (not Linux)")
     case = workloads.build("full_hessian", "quick", None, "cpu", atoms=[100])[0].cases[0]  # B = 300
     huge = dataclasses.replace(case, batched_memory=BatchedMemory(eager=10 * available, compiled=5 * available))
     reason = runner.memory_guard("eager_batched", huge, cpu, [])
