@@ -372,6 +372,20 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
     return _rewrap_all((grad_input, grad_weight, grad_bias), level)
 
 
+def cudnn_batch_norm_backward(input, grad_output, weight, running_mean, running_var, save_mean, save_var,
+                              epsilon, reserveSpace=None):
+    """cuDNN's batch norm backward (CUDA's training path when weight and bias are
+    given), and MIOpen's (ROCm) without ``reserveSpace``.  functorch's rule is
+    its native sibling's: B read as an int, and a weight grad in plain ops whose
+    double backward misses the saved statistics.  Both ops are
+    ``native_batch_norm_backward`` in training mode (their ``save_var`` is the
+    inverse std, as torch._decomp writes them), which at this vmap level
+    dispatches to the rule above."""
+    return torch.ops.aten.native_batch_norm_backward.default(
+        grad_output, input, weight, running_mean, running_var, save_mean, save_var, True, epsilon,
+        [True, True, True])
+
+
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
     """functorch's rule reads B as an int.  Autograd calls this op for first
     order only (under create_graph group norm differentiates a composite), so
@@ -501,6 +515,8 @@ def all_rules() -> dict:
         "convolution_backward": convolution_backward,
         "native_layer_norm_backward": native_layer_norm_backward,
         "native_batch_norm_backward": native_batch_norm_backward,
+        "cudnn_batch_norm_backward": cudnn_batch_norm_backward,
+        "miopen_batch_norm_backward": cudnn_batch_norm_backward,
         "native_group_norm_backward": native_group_norm_backward,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),

@@ -120,3 +120,158 @@ def test_conv_and_norm_rules_on_cuda_keep_b_symbolic():
         assert_same_grads(compiled(*params, V), loop_grads(net(x), params, [V]), atol=1e-4, rtol=1e-4)
     c = dynbatch.counters()
     assert c["graphs"] <= 2 and not c.get("fallbacks"), c
+
+
+# --- cuDNN batch norm (batch_rules.cudnn_batch_norm_backward) ---------------------
+
+def _cudnn_bn_case(dtype=torch.float32):
+    """Batch norm with weight and bias on a 4-d CUDA input: autograd records
+    cuDNN's op, so the batched backward calls cudnn_batch_norm_backward."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g, dtype=dtype).cuda().requires_grad_()
+               for shape in ((4, 3, 2, 2), (3,), (3,)))
+
+    def layer(x, w, b):
+        return torch.nn.functional.batch_norm(x, None, None, w, b, training=True)
+
+    if "Cudnn" not in layer(x, w, b).grad_fn.name():
+        pytest.skip(f"batch norm did not take cuDNN here ({layer(x, w, b).grad_fn.name()})")
+    return layer, [x, w, b]
+
+
+def _second(gs, primals):
+    return torch.autograd.grad(sum((g * g.sin()).sum() for g in gs), primals,
+                               allow_unused=True, materialize_grads=True)
+
+
+def _cudnn_bn_second_order(layer, primals):
+    def f(x, w, b, V):
+        gs = torch.autograd.grad(layer(x, w, b), (x, w, b), V, create_graph=True, is_grads_batched=True)
+        return _second(gs, (x, w, b))
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True)
+    y = layer(*primals)
+    V = torch.randn(4, *y.shape, dtype=y.dtype, device="cuda")
+    return compiled(*primals, V), _second(loop_grads(y, primals, [V], create_graph=True), primals)
+
+
+def test_cudnn_batch_norm_backward_keeps_b_symbolic():
+    layer, primals = _cudnn_bn_case()
+
+    def f(x, w, b, V):
+        return torch.autograd.grad(layer(x, w, b), (x, w, b), V, is_grads_batched=True)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True)
+    for B in (2, 3, 5, 9):
+        y = layer(*primals)
+        V = torch.randn(B, *y.shape, dtype=y.dtype, device="cuda")
+        assert_same_grads(compiled(*primals, V), loop_grads(y, primals, [V]), atol=1e-4, rtol=1e-4, msg=f"B={B}")
+    c = dynbatch.counters()
+    assert c["graphs"] <= 2 and c["grads_batched"] >= 1 and not c.get("fallbacks"), c
+
+
+def test_cudnn_batch_norm_second_derivative_matches_the_loop():
+    """Batched grads with create_graph=True through cuDNN's batch norm, then a
+    grad of them: with dynbatch's rule, the loop's values."""
+    got, expected = _cudnn_bn_second_order(*_cudnn_bn_case())
+    assert_same_grads(got, expected, atol=1e-4, rtol=1e-4)
+    assert dynbatch.counters()["grads_batched"] == 1 and not dynbatch.counters().get("fallbacks"), dynbatch.counters()
+
+
+def test_functorch_cudnn_batch_norm_rule_gets_the_second_derivative_wrong(monkeypatch):
+    """The test above fails with functorch's rule in place of dynbatch's: the
+    reason the rule exists (cf. native_batch_norm_backward on the CPU)."""
+    from dynbatch import batch_rules
+
+    ours = batch_rules.all_rules()
+    monkeypatch.setattr(batch_rules, "all_rules", lambda: {
+        k: v for k, v in ours.items() if k not in ("cudnn_batch_norm_backward", "miopen_batch_norm_backward")})
+    got, expected = _cudnn_bn_second_order(*_cudnn_bn_case())
+    with pytest.raises(AssertionError):
+        assert_same_grads(got, expected, atol=1e-4, rtol=1e-4)
+
+
+# --- the CNN Jacobian (bench workload cnn_jacobian) ---------------------------------
+
+def test_functional_jacobian_of_a_cnn_on_cuda():
+    """functional.jacobian(vectorize=True) of a 2-conv CNN: crashed once on torch
+    2.11 + CUDA ("Cannot access data pointer of Tensor that doesn't have storage")."""
+    from dynbatch.bench import variants, workloads
+
+    (problem,) = workloads.build("cnn_jacobian", "quick", None, torch.device("cuda"), None)
+    case = problem.cases[0]
+    got = variants.build("dynbatch", problem, torch.device("cuda")).call(case.x, case.cotangents)
+    expected = variants.build("eager_loop", problem, torch.device("cuda")).call(case.x, case.cotangents)
+    assert_same_grads(got, expected, atol=1e-5, rtol=1e-4)
+    c = dynbatch.counters()
+    assert c["grads_batched"] >= 1 and not c.get("fallbacks"), c
+
+
+# --- CUDA graphs: mode="reduce-overhead" ------------------------------------------
+
+def _cuda_graphs_recorded() -> int:
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values())
+
+
+def test_reduce_overhead_replays_cuda_graphs_with_b_symbolic():
+    """mode="reduce-overhead": Inductor's CUDA graph trees replay dynbatch's
+    batched backward; a new B records a new CUDA graph of the same compiled
+    (B-symbolic) code, not a recompile."""
+    from torch._dynamo.utils import counters
+
+    vjp = make_mlp()
+    compiled = torch.compile(vjp, backend="dynbatch", mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    skips = counters["inductor"]["cudagraph_skips"]
+    for B in (2, 3, 5, 8, 13, 3, 8):
+        V = torch.randn(B, 8, 64, device="cuda")
+        for _ in range(3):  # warm-up, record, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x, V)[0].clone()
+        assert_same_grads((got,), vjp(x, V), atol=1e-5, rtol=1e-4, msg=f"B={B}")
+    c = dynbatch.counters()
+    assert c["graphs"] == c["graphs_batched"] <= 2, c
+    assert counters["inductor"]["cudagraph_skips"] == skips, dict(counters["inductor"])
+    assert _cuda_graphs_recorded() >= 1
+
+
+# --- the snapshot programs (tests/test_snapshots.py) on CUDA ------------------------
+
+def _snapshot_programs():
+    import test_snapshots
+
+    return test_snapshots
+
+
+@pytest.mark.parametrize("name", ["mlp_jacobian", "multi_output_allow_unused", "hessian_rows",
+                                  "functional_jacobian", "attention_block", "fallback_bad_cotangent"])
+def test_snapshot_programs_on_cuda(name, monkeypatch):
+    """Each snapshot program with its weights and inputs on the GPU: eager's values
+    (or eager's error), B symbolic after the second size, Triton kernels."""
+    snapshots = _snapshot_programs()
+    for weight in ("W1", "W2", "W3", "Wq", "Wk", "Wv"):
+        monkeypatch.setattr(snapshots, weight, getattr(snapshots, weight).cuda())
+    fn, make_inputs = snapshots.PROGRAMS[name]
+    compiled = torch.compile(fn, backend="dynbatch", fullgraph=True)
+    codes = []
+    for B in (3, 5, 8):
+        args = [None if a is None else a.cuda() for a in make_inputs(B)]
+        if name.startswith("fallback"):
+            with pytest.raises(RuntimeError) as eager:
+                fn(*args)
+            with pytest.raises(RuntimeError) as ours:
+                compiled(*args)
+            assert str(ours.value) == str(eager.value)
+            continue
+        got, code = run_and_get_code(compiled, *args)
+        codes += code
+        assert_same_grads(got, fn(*args), atol=1e-5, rtol=1e-4, msg=f"B={B}")
+    c = dynbatch.counters()
+    if name.startswith("fallback"):
+        assert c.get("fallbacks"), c
+    else:
+        assert not c.get("fallbacks") and c["grads_batched"] >= 1 and c["graphs_batched"] <= 2, c
+        assert "triton" in "\n".join(codes)

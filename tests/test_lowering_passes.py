@@ -406,3 +406,37 @@ def test_batch_norm_with_a_strided_weight_gets_the_true_gradient():
     dense = F.batch_norm(x, None, None, weight.contiguous(), None, training=True)
     assert_same_grads(compiled(x, V), loop_grads(dense, [x], [V]))
     assert dynbatch.counters()["grads_batched"] == 1
+
+
+@pytest.mark.parametrize("op_name", ["cudnn_batch_norm_backward", "miopen_batch_norm_backward"])
+def test_gpu_batch_norm_backward_rules_batch_like_the_native_op_to_second_order(op_name):
+    """On CUDA, batch norm with weight and bias differentiates through cuDNN's
+    (ROCm: MIOpen's) backward op, whose functorch rule is the native one's
+    (B read as an int, a wrong double backward).  dynbatch's rule makes it the
+    native op in training mode; that needs no GPU to check, since the rule runs
+    before any kernel: vmap over the GPU op on CPU tensors equals a loop of the
+    native op, in value and in a grad of the batched grads (tests/test_cuda.py
+    runs the real cuDNN path)."""
+    aten = torch.ops.aten
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+               for shape in ((4, 3, 2, 2), (3,), (3,)))
+    eps = 1e-5
+    y, mean, invstd = aten.native_batch_norm(x, w, b, None, None, True, 0.1, eps)
+    V = torch.randn(5, *y.shape, generator=gen, dtype=torch.float64)
+    extra = (torch.empty(0),) if op_name.startswith("cudnn") else ()
+
+    def gpu_backward(go):
+        return getattr(aten, op_name)(x, go, w, None, None, mean, invstd, eps, *extra)
+
+    with batch_rules.symbolic_batch_rules():
+        got = torch.vmap(gpu_backward)(V)
+    loop = [torch.stack(g) for g in zip(*(
+        aten.native_batch_norm_backward(v, x, w, None, None, mean, invstd, True, eps, [True] * 3) for v in V))]
+    assert_same_grads(got, loop)
+
+    def second(gs):
+        return torch.autograd.grad(sum((g * g.sin()).sum() for g in gs), (x, w, b),
+                                   allow_unused=True, materialize_grads=True)
+
+    assert_same_grads(second(got), second(loop))

@@ -42,7 +42,9 @@ Slices:
                 ``SYMBOLIC_SLOW_SAMPLES`` samples.
 The figures (ops matched / expected failures / mismatches, and cases by
 outcome) are printed in the terminal summary; ``DYNBATCH_OPINFO_RECORD=path``
-also writes every outcome to a JSON file.
+also writes every outcome to a JSON file (one per worker, ``path.gwN``, under
+pytest-xdist).  ``DYNBATCH_OPINFO_DEVICE=cuda`` sweeps the ops' CUDA kernels
+(float32 with TF32 off; ``EXPECTED_FAILURES`` holds for both devices).
 
 Run:  .venv/bin/python -m pytest tests/test_opinfo.py -q
       DYNBATCH_OPINFO_SAMPLES=2 .venv/bin/python -m pytest tests/test_opinfo.py -q
@@ -75,6 +77,8 @@ from helpers_reliability import (
 )
 
 FAST_SAMPLES = int(os.environ.get("DYNBATCH_OPINFO_SAMPLES", "1"))
+# The sweep's device: "cuda" runs every op's CUDA kernels (float32 with TF32 off).
+DEVICE = os.environ.get("DYNBATCH_OPINFO_DEVICE", "cpu")
 # The slow sweep takes every sample unless this caps it (for partial runs).
 SLOW_SAMPLES = int(os.environ["DYNBATCH_OPINFO_SLOW_SAMPLES"]) if os.environ.get("DYNBATCH_OPINFO_SLOW_SAMPLES") else None
 
@@ -84,7 +88,7 @@ def op_key(op) -> str:
 
 
 def _ops(dtype: torch.dtype) -> list:
-    return [op for op in op_db if op.supports_autograd and dtype in op.supported_dtypes("cpu")]
+    return [op for op in op_db if op.supports_autograd and dtype in op.supported_dtypes(DEVICE)]
 
 
 OPS_F32 = _ops(torch.float32)
@@ -227,6 +231,19 @@ def _random_ops_without_frozen_rng():
     mp.undo()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _full_fp32_on_cuda():
+    """TF32 off: the loop oracle and the batched kernels must both compute in fp32."""
+    # cudnn's flags through its context manager: op_db's import locks the plain setters.
+    cudnn = torch.backends.cudnn
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
 @dataclasses.dataclass
 class Case:
     fn: Callable[..., tuple[torch.Tensor, ...]]  # primals -> differentiable outputs
@@ -264,15 +281,20 @@ def cotangents(outs: tuple[torch.Tensor, ...], B: int, layout: str, gen: torch.G
     for o in outs:
         shape = (B, *o.shape)
         if layout == "contiguous":
-            v = torch.randn(shape, dtype=o.dtype, generator=gen)
+            v = _randn(shape, o, gen)
         elif layout == "noncontiguous":
-            v = torch.randn((*shape, 2), dtype=o.dtype, generator=gen)[..., 0]
+            v = _randn((*shape, 2), o, gen)[..., 0]
         elif layout == "expanded":
-            v = torch.randn((1, *o.shape), dtype=o.dtype, generator=gen).expand(shape)
+            v = _randn((1, *o.shape), o, gen).expand(shape)
         else:
             raise ValueError(layout)
         result.append(v)
     return result
+
+
+def _randn(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    # Drawn on the CPU generator, so a CUDA sweep sees the CPU sweep's numbers.
+    return torch.randn(shape, dtype=like.dtype, generator=gen).to(like.device)
 
 
 LAYOUTS = ("contiguous", "noncontiguous", "expanded")
@@ -482,7 +504,7 @@ OUTCOMES: dict[tuple[str, str], list[Result]] = collections.defaultdict(list)
 
 
 def _samples(op, dtype: torch.dtype, n: int | None) -> list:
-    return list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=True), n))
+    return list(itertools.islice(op.sample_inputs(DEVICE, dtype, requires_grad=True), n))
 
 
 def _allowed(key: str, kind: str) -> frozenset[str]:
@@ -579,12 +601,16 @@ def test_expected_failure_table_is_well_formed():
 
 # --- figures -------------------------------------------------------------------------
 
-def figures() -> list[str]:
-    """Per test kind: ops matched / expected failures / mismatches, and cases by outcome."""
+def figures(outcomes=None) -> list[str]:
+    """Per test kind: ops matched / expected failures / mismatches, and cases by outcome.
+
+    ``outcomes``: this process's (default), or records merged from xdist workers
+    (``load_records``)."""
+    outcomes = OUTCOMES if outcomes is None else outcomes
     lines = []
-    kinds = sorted({kind for kind, _ in OUTCOMES})
+    kinds = sorted({kind for kind, _ in outcomes})
     for kind in kinds:
-        per_op = {key: rs for (k, key), rs in OUTCOMES.items() if k == kind}
+        per_op = {key: rs for (k, key), rs in outcomes.items() if k == kind}
         cases = collections.Counter(r.status for rs in per_op.values() for r in rs)
         matched = expected = mismatched = skipped = 0
         for key, rs in per_op.items():
@@ -611,6 +637,19 @@ def figures() -> list[str]:
     return lines
 
 
+def load_records(paths) -> dict[tuple[str, str], list[Result]]:
+    """The outcomes of ``DYNBATCH_OPINFO_RECORD`` files, merged."""
+    import json
+
+    merged: dict[tuple[str, str], list[Result]] = collections.defaultdict(list)
+    for path in paths:
+        with open(path) as f:
+            for name, rs in json.load(f).items():
+                kind, key = name.split("|", 1)
+                merged[(kind, key)].extend(Result(status, detail) for status, detail in rs)
+    return merged
+
+
 class _FiguresPlugin:
     def pytest_terminal_summary(self, terminalreporter):
         lines = figures()
@@ -618,13 +657,19 @@ class _FiguresPlugin:
             terminalreporter.section("dynbatch OpInfo figures")
             for line in lines:
                 terminalreporter.write_line(line)
-        path = os.environ.get("DYNBATCH_OPINFO_RECORD")
-        if path:
-            import json
 
-            with open(path, "w") as f:
-                json.dump({f"{k}|{key}": [[r.status, r.detail[:500]] for r in rs]
-                           for (k, key), rs in OUTCOMES.items()}, f, indent=1)
+    def pytest_sessionfinish(self, session):
+        # Here, not in the summary: under pytest-xdist each worker holds its own outcomes.
+        path = os.environ.get("DYNBATCH_OPINFO_RECORD")
+        if not path or not OUTCOMES:
+            return
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            path += "." + os.environ["PYTEST_XDIST_WORKER"]
+        import json
+
+        with open(path, "w") as f:
+            json.dump({f"{k}|{key}": [[r.status, r.detail[:500]] for r in rs]
+                       for (k, key), rs in OUTCOMES.items()}, f, indent=1)
 
 
 @pytest.fixture(autouse=True, scope="module")

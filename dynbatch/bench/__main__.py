@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import measure, plots, report, runner
-from .variants import VARIANTS
+from .variants import CUDA_ONLY, VARIANTS
 from .workloads import ATOM_WORKLOADS, TIERS, WORKLOADS
 
 
@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workloads", type=lambda t: _names(t, list(WORKLOADS), "workload(s)"),
                         default=tuple(WORKLOADS), help=f"comma list, default all: {','.join(WORKLOADS)}")
     parser.add_argument("--variants", type=lambda t: _names(t, list(VARIANTS), "variant(s)"),
-                        default=VARIANTS, help=f"comma list of columns, default all: {','.join(VARIANTS)}")
+                        default=None, help=f"comma list of columns, default all ({','.join(VARIANTS)}), "
+                                           f"less {','.join(CUDA_ONLY)} on the CPU")
     parser.add_argument("--batch-sizes", type=_sizes, default=None,
                         help="comma list of B for the sweep workload and the free-B workloads "
                              "(gelu_vjp, attention, hessian HVP probes); Jacobian workloads keep B = output size")
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stock-timeout", type=float, default=None,
                         help="seconds the stock torch.compile column may take per case "
                              "(default 60; stock compile time grows with B, so large B time out)")
+    parser.add_argument("--stock-workloads", type=lambda t: _names(t, list(WORKLOADS), "workload(s)"),
+                        default=None,
+                        help="time stock_compile on these workloads only (default: every one; --quick: the sweep)")
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep Inductor's and Triton's on-disk caches (default: an empty folder, "
                              "so first calls include the whole compile; --quick implies it)")
@@ -84,14 +88,15 @@ def settings_from(args: argparse.Namespace) -> runner.Settings:
     tier = args.size or ("quick" if args.quick else device.type)
     # The smoke test runs the slow-to-compile stock column on the sweep only: that is
     # where it crashes on a new batch size, the behaviour the column exists to show.
-    stock_workloads = None
-    if args.quick:
+    stock_workloads = tuple(args.stock_workloads) if args.stock_workloads else None
+    if args.quick and stock_workloads is None:
         stock_workloads = ("sweep",) if "sweep" in args.workloads else tuple(args.workloads[:1])
     return runner.Settings(
         device=device,
         tier=tier,
         workloads=tuple(args.workloads),
-        variants=tuple(args.variants),
+        variants=tuple(args.variants) if args.variants else tuple(
+            v for v in VARIANTS if device.type == "cuda" or v not in CUDA_ONLY),
         batch_sizes=args.batch_sizes,
         atoms=args.atoms,
         budget=_budget(args),

@@ -120,7 +120,7 @@ def _run_column(variant, problem, settings: Settings, references, out, bar) -> N
     # compiled_func often generate identical kernels, and the second would
     # otherwise find the first's and report a compile it never paid for.
     fresh = settings.cold_compile_cache and variant in (
-        "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_outside")
+        "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside")
     with _fresh_inductor_cache() if fresh else contextlib.nullcontext():
         _run_column_cases(variant, problem, settings, references, out, bar)
 
@@ -159,7 +159,7 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
     out["graphs"][variant] = runner.compiles()
     if runner.note:
         out["notes"][variant] = runner.note
-    if variant in ("dynbatch", "dynbatch_budget"):
+    if variant in ("dynbatch", "dynbatch_budget", "dynbatch_cudagraphs"):
         out[variant] = _dynbatch_delta(before)
     del runner
     _free_memory(device, _is_big(problem))

@@ -17,10 +17,12 @@ import torch
 from .problem import Case, Problem
 
 VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "eager_vmap_chunked", "stock_compile", "compiled_func",
-            "dynbatch", "dynbatch_budget", "dynbatch_outside", "jax")
+            "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "jax")
+CUDA_ONLY = ("dynbatch_cudagraphs",)  # left out of the default columns on the CPU
 REFERENCE = "eager_batched"  # every ratio in the report is over this column
 TRUTH = "eager_loop"  # errors are measured against this column
-COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_outside", "jax")
+COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs",
+            "dynbatch_outside", "jax")
 
 # eager_vmap_chunked: torch.func.vmap(..., chunk_size=VMAP_CHUNK) runs this many samples at a time.
 VMAP_CHUNK = 32
@@ -41,6 +43,8 @@ DESCRIPTIONS = {
     "dynbatch_budget": 'torch.compile(backend="dynbatch", options={"dynbatch.memory_budget": '
                        f"{TIGHT_BUDGET}}}) of the is_grads_batched code: a tight budget of "
                        f"{TIGHT_BUDGET / 2 ** 20:g} MiB for the batched backward's B-dependent tensors",
+    "dynbatch_cudagraphs": 'torch.compile(backend="dynbatch", mode="reduce-overhead") of the '
+                           "is_grads_batched code: replayed as CUDA graphs (CUDA only)",
     "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone; the is_grads_batched grad taken '
                         "outside it, in eager code (the region's compiled batched backward)",
     "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
@@ -195,11 +199,29 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
         return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch",
                                                              options={"dynbatch.memory_budget": TIGHT_BUDGET}),
                              compiled=True)
+    if variant == "dynbatch_cudagraphs":
+        return _cudagraphs_runner(problem, device)
     if variant == "dynbatch_outside":
         return _torch_runner(variant, problem, outside_program(problem), compiled=True)
     if variant == "jax":
         return _jax_runner(problem, device)
     raise KeyError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def _cudagraphs_runner(problem: Problem, device: torch.device) -> Runner:
+    if device.type != "cuda":
+        raise VariantUnavailable("CUDA graphs need --device cuda")
+    compiled = torch.compile(batched_program(problem), backend="dynbatch", mode="reduce-overhead")
+    runner = _torch_runner("dynbatch_cudagraphs", problem, compiled, compiled=True)
+    call = runner.call
+
+    def replay(x, cotangents):
+        # Each call is a new step of the loop; the last call's outputs may be overwritten.
+        torch.compiler.cudagraph_mark_step_begin()
+        return call(x, cotangents)
+
+    # The result compared with the loop must outlive later replays, which reuse its memory.
+    return dataclasses.replace(runner, call=replay, to_torch=lambda r: r.clone())
 
 
 def _jax_runner(problem: Problem, device: torch.device) -> Runner:
