@@ -233,6 +233,67 @@ def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[No
                 table[original] = value
 
 
+@contextlib.contextmanager
+def dynamo_traces_requires_grad_of_intermediates() -> Iterator[None]:
+    """Torch < 2.13: Dynamo puts ``t.requires_grad_()`` of a tensor made inside
+    the graph into the graph, as 2.13's ``TensorVariable.method_requires_grad_``
+    does, instead of graph-breaking.  ``x.detach().requires_grad_()`` and
+    ``functional.jacobian``'s own call are then traced, and the grads that use
+    the new leaf are captured with it.  2.13 also graph-breaks where such a leaf
+    (or a tensor made from it) is returned with requires_grad; the backend
+    checks that case itself (``leaks_traced_requires_grad``) and runs the graph
+    eagerly.  Graph inputs keep the graph break (a metadata mutation)."""
+    if DYNAMO_TRACES_REQUIRES_GRAD_:
+        yield
+        return
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = TensorVariable.method_requires_grad_
+
+    def method_requires_grad_(self, tx, requires_grad=True):
+        wanted = requires_grad if requires_grad is True else requires_grad.as_python_constant()
+        example = self.as_proxy().node.meta["example_value"]
+        if self.source or example.requires_grad == wanted:
+            return original(self, tx, requires_grad)
+        # As 2.13 emits it: AOTAutograd re-traces under functorch, which refuses
+        # requires_grad_() unless the call is bracketed by this flag.
+        allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+        torch._C._functorch.set_inplace_requires_grad_allowed(True)
+        try:
+            tx.output.create_node("call_function", torch._C._functorch.set_inplace_requires_grad_allowed,
+                                  (True,), {})
+            tx.output.create_proxy("call_method", "requires_grad_", (self.as_proxy(),), {})
+            tx.output.create_node("call_function", torch._C._functorch.set_inplace_requires_grad_allowed,
+                                  (allowed,), {})
+        finally:
+            torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+        example.requires_grad_(wanted)
+        self.requires_grad = wanted
+        return self
+
+    TensorVariable.method_requires_grad_ = method_requires_grad_
+    try:
+        yield
+    finally:
+        TensorVariable.method_requires_grad_ = original
+
+
+def leaks_traced_requires_grad(gm: Any) -> bool:
+    """Does the graph return, with requires_grad, a tensor made from a leaf that
+    ``requires_grad_()`` created inside it?  AOTAutograd's functionalization
+    drops that autograd state (2.13's Dynamo graph-breaks for it)."""
+    tainted = {n for n in gm.graph.nodes if n.op == "call_method" and n.target == "requires_grad_"}
+    if not tainted:
+        return False
+    for n in gm.graph.nodes:
+        if n not in tainted and any(i in tainted for i in n.all_input_nodes):
+            tainted.add(n)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    flat = torch.utils._pytree.tree_leaves(output.args)
+    return any(isinstance(o, torch.fx.Node) and o in tainted
+               and getattr(o.meta.get("example_value"), "requires_grad", False) for o in flat)
+
+
 def dynamo_utils_module() -> Any:
     """The module whose ``run_node`` Dynamo calls to fake-run each captured node."""
     import torch._dynamo.utils as dynamo_utils

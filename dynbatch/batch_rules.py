@@ -375,12 +375,13 @@ def native_batch_norm_backward(grad_out, input, weight, running_mean, running_va
 def cudnn_batch_norm_backward(input, grad_output, weight, running_mean, running_var, save_mean, save_var,
                               epsilon, reserveSpace=None):
     """cuDNN's batch norm backward (CUDA's training path when weight and bias are
-    given), and MIOpen's (ROCm) without ``reserveSpace``.  functorch's rule is
-    its native sibling's: B read as an int, and a weight grad in plain ops whose
-    double backward misses the saved statistics.  Both ops are
+    given), and MIOpen's (ROCm) without ``reserveSpace``.  Both are
     ``native_batch_norm_backward`` in training mode (their ``save_var`` is the
     inverse std, as torch._decomp writes them), which at this vmap level
-    dispatches to the rule above."""
+    dispatches to the rule above: B symbolic, an exact double backward.
+    functorch's rule calls the native op too (torch 2.11, seen on an H200), so
+    today this pins that routing: a functorch rule of its own for the cuDNN op
+    would bring back the native rule's faults (tests/test_cuda.py)."""
     return torch.ops.aten.native_batch_norm_backward.default(
         grad_output, input, weight, running_mean, running_var, save_mean, save_var, True, epsilon,
         [True, True, True])

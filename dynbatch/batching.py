@@ -53,6 +53,10 @@ def is_batched_grad_call(node: torch.fx.Node) -> bool:
 
 def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
     """Rewrite batched grad calls in a copy of ``gm``; report what could not be."""
+    if _compat.leaks_traced_requires_grad(gm):
+        return BatchingResult(gm, (), (), (Unsupported(
+            "output", "it returns a tensor made from a leaf that requires_grad_() created inside the graph, "
+                      "with requires_grad (AOTAutograd would drop its autograd state; torch 2.13 graph-breaks)"),))
     new_gm = _copy_graph_module(gm)
     batched, plain, unsupported = [], [], []
     for node in new_gm.graph.nodes:

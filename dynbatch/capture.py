@@ -16,8 +16,10 @@ and, only when the frame is being compiled for dynbatch, enters a scope that
 ``torch.autograd.grad(..., is_grads_batched=True)`` inside), (3) swaps in
 batching rules that keep B symbolic (NOTE [Symbolic batch rules] in
 batch_rules.py), and (4) routes Dynamo's fake-tensor run
-of each captured ``torch.autograd.grad`` node through ``trace_grad`` below.
-All four are undone when that frame's compile ends.  Dynamo compiles one frame
+of each captured ``torch.autograd.grad`` node through ``trace_grad`` below,
+and (5) on torch < 2.13 traces ``requires_grad_()`` of in-graph tensors as
+2.13 does (``x.detach().requires_grad_()``; jacobian/hessian call it).
+All five are undone when that frame's compile ends.  Dynamo compiles one frame
 at a time under a global lock, so the scope never overlaps another backend's
 compile, and other backends see stock Dynamo.
 
@@ -83,6 +85,7 @@ def capture_scope():
         _compat.dynamo_inlines_module("torch.autograd.functional"),
         # after the line above, which maps every function of the module to plain inlining
         _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd else contextlib.nullcontext(),
+        _compat.dynamo_traces_requires_grad_of_intermediates(),
     ):
         utils.run_node = run_node
         try:

@@ -163,6 +163,12 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "nn.functional.conv3d": (1e-4, 5e-5),
     "nn.functional.conv_transpose3d": (1e-4, 5e-5),
 }
+# On CUDA (H200, TF32 off), where cuSOLVER/cuBLAS batched and per-sample calls
+# round differently: 1 element of 15-125 off by ~5e-5.
+CUDA_TOLERANCES: dict[str, tuple[float, float]] = {
+    "linalg.householder_product": (1e-4, 1e-4),
+    "matrix_exp": (1e-4, 1e-4),
+}
 
 # Ops whose samples cannot be compared with the loop at all.
 SKIPS: dict[str, str] = {
@@ -202,7 +208,9 @@ SPECIALIZES_B: frozenset[str] = frozenset({
     'nn.functional.pad/circular', 'nn.functional.pdist', 'ormqr', 'put', 'quantile', 'scatter',
     'scatter_add', 'scatter_reduce/amax', 'scatter_reduce/amin', 'scatter_reduce/mean',
     'scatter_reduce/prod', 'scatter_reduce/sum', 'sort', 'take', 'take_along_dim', 'topk',
-    'unfold', 'unfold_copy'
+    'unfold', 'unfold_copy',
+    # CUDA only: _efficient_attention_backward has no functorch rule, so vmap runs it per sample
+    'torch.ops.aten._efficient_attention_forward'
 })
 
 # (rtol, atol).  float32: 10x assert_close's rtol, since a batched kernel may
@@ -334,6 +342,8 @@ def _dynamo_refused(e: BaseException) -> bool:
 
 
 def _tol(key: str, dtype: torch.dtype) -> tuple[float, float]:
+    if dtype == torch.float32 and DEVICE == "cuda" and key in CUDA_TOLERANCES:
+        return CUDA_TOLERANCES[key]
     if dtype == torch.float32 and key in TOLERANCES:
         return TOLERANCES[key]
     return DEFAULT_TOL[dtype]
@@ -452,7 +462,9 @@ def classify_symbolic(case: Case, key: str, batch_sizes=(2, 5, 8)) -> Result:
     for B in batch_sizes:
         gen = torch.Generator().manual_seed(B)
         torch.manual_seed(0)
-        outs = case.fn(*case.primals)  # afresh: some ops (batch_norm) bump saved versions
+        kind, outs = outcome(case.fn, *case.primals)  # afresh: some ops (batch_norm) bump saved versions
+        if kind == "raise":
+            return Result("skip", f"eager forward raises {_short(outs)}")
         if not outs:
             return Result("skip", "no differentiable output")
         cots = cotangents(outs, B, "contiguous", gen)
@@ -589,14 +601,16 @@ def test_symbolic_batch_more_samples(op):
 
 def test_expected_failure_table_is_well_formed():
     """Every entry names a real op, gives a reason, and never allows 'mismatch'."""
-    keys = {op_key(op) for op in OPS_F32 + OPS_F64}
+    keys = {op_key(op) for op in op_db}  # every device's: some entries are CUDA's
+    # The tables were recorded on torch 2.13, whose op_db has ops older ones lack.
+    recorded_here = str(torch.__version__).startswith("2.13.")
     for key, (reason, allowed) in EXPECTED_FAILURES.items():
-        assert key in keys, key
+        assert key in keys or not recorded_here, key
         assert reason.strip(), key
         assert allowed and "mismatch" not in allowed and "match" not in allowed, key
         assert allowed <= {"fallback", "eager_error", "graph_break", "eager_batched", "stock_compile_fails"}, key
-    for key in list(SKIPS) + list(SPECIALIZES_B) + list(TOLERANCES):
-        assert key in keys, key
+    for key in list(SKIPS) + list(SPECIALIZES_B) + list(TOLERANCES) + list(CUDA_TOLERANCES):
+        assert key in keys or not recorded_here, key
 
 
 # --- figures -------------------------------------------------------------------------
