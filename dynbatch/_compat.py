@@ -282,7 +282,8 @@ def leaks_traced_requires_grad(gm: Any) -> bool:
     """Does the graph return, with requires_grad, a tensor made from a leaf that
     ``requires_grad_()`` created inside it?  AOTAutograd's functionalization
     drops that autograd state (2.13's Dynamo graph-breaks for it)."""
-    tainted = {n for n in gm.graph.nodes if n.op == "call_method" and n.target == "requires_grad_"}
+    # Later nodes read the tensor the method changed in place (its argument), as in user code.
+    tainted = {n.args[0] for n in gm.graph.nodes if n.op == "call_method" and n.target == "requires_grad_"}
     if not tainted:
         return False
     for n in gm.graph.nodes:

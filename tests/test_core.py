@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import dynbatch
-from dynbatch import _compat
 from conftest import AOT_EAGER, assert_backend_ran, assert_same_grads, compile_dynbatch, loop_grads
 
 torch.manual_seed(0)
@@ -21,11 +20,6 @@ def mlp(x):
     return torch.tanh(torch.tanh(x @ W1) @ W2)
 
 
-needs_requires_grad_tracing = pytest.mark.skipif(
-    not _compat.DYNAMO_TRACES_REQUIRES_GRAD_,
-    reason="requires_grad_() inside a compiled function (also in torch.autograd.functional):"
-    " Dynamo traces only from torch 2.13",
-)
 
 
 def leaf(x):
@@ -122,7 +116,6 @@ def test_non_leaf_intermediate_input():
     check(f, torch.randn(4, 6), torch.randn(3, 4, 6))
 
 
-@needs_requires_grad_tracing
 def test_requires_grad_inside_the_compiled_function():
     def f(x, V):
         x = x.detach().requires_grad_()
@@ -167,7 +160,6 @@ def test_batch_size_one():
     check(f, torch.randn(4, 6), torch.randn(1, 4, 6))
 
 
-@needs_requires_grad_tracing
 def test_functional_jacobian_vectorize():
     def f(x):
         return torch.autograd.functional.jacobian(mlp, x, vectorize=True)
@@ -175,7 +167,6 @@ def test_functional_jacobian_vectorize():
     check(f, torch.randn(3, 6))
 
 
-@needs_requires_grad_tracing
 def test_functional_hessian_vectorize():
     def f(x):
         return torch.autograd.functional.hessian(lambda z: mlp(z).sum(), x, vectorize=True)

@@ -105,8 +105,7 @@ def _conv_norm_net():
 def test_conv_and_norm_rules_on_cuda_keep_b_symbolic():
     """dynbatch's convolution and norm rules (batch_rules.py) on cuDNN: values
     equal the loop, one graph for every B >= 2 (on CPU, float32 convolutions add
-    PyTorch's B*N >= 16 oneDNN guard; CUDA has none).  Not yet run on a GPU:
-    written in a session without one."""
+    PyTorch's B*N >= 16 oneDNN guard; CUDA has none).  Passed on an H200 (torch 2.11)."""
     net, params = _conv_norm_net()
     x = torch.randn(2, 3, 8, 8, device="cuda")
 
@@ -280,7 +279,8 @@ def test_snapshot_programs_on_cuda(name, monkeypatch):
                 compiled(*args)
             assert str(ours.value) == str(eager.value)
             continue
-        got, code = run_and_get_code(compiled, *args)
+        # run_and_get_code resets Dynamo: only the first call, or every B would compile anew
+        got, code = run_and_get_code(compiled, *args) if B == 3 else (compiled(*args), [])
         codes += code
         assert_same_grads(got, fn(*args), atol=1e-5, rtol=1e-4, msg=f"B={B}")
     c = dynbatch.counters()
