@@ -17,7 +17,7 @@ lowering.py, joined by backend.py.
 
 from __future__ import annotations
 
-from ._compat import TORCH_VERSION, torch_is_supported
+from . import _compat
 from .backend import UnsupportedGraph, dynbatch_backend
 from .batched_grad import batched_grad
 from .batching import BatchingResult, batch_grads
@@ -54,13 +54,4 @@ def reset() -> None:
 
 def register() -> None:
     """Register "dynbatch" with Dynamo in-process (the entry point does this too)."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
-
-    if "dynbatch" not in _BACKENDS or _BACKENDS.get("dynbatch") is not None:
-        register_backend(dynbatch_backend, name="dynbatch")
-
-
-if not torch_is_supported():  # pragma: no cover
-    import warnings
-
-    warnings.warn(f"dynbatch is tested on torch 2.11-2.14, not {TORCH_VERSION}", stacklevel=2)
+    _compat.register_backend(dynbatch_backend, "dynbatch")

@@ -2,7 +2,7 @@
 
 Dynamo, AOTAutograd and autograd internals move between releases; everything
 dynbatch needs from them goes through the small functions below so that a new
-torch version means editing this file only.  Supported: torch 2.11 - 2.14.
+torch version means editing this file only.  Tested: torch 2.11 - 2.14.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 from torch.torch_version import TorchVersion
 
 TORCH_VERSION = TorchVersion(torch.__version__)
-# Half-open range of supported releases. TorchVersion compares numerically, so
-# "2.9" < "2.11" holds (a plain string comparison would get this wrong).
+# Half-open range of the releases dynbatch is tested on.  Others install and run
+# (pyproject.toml has no upper bound); dynbatch warns once at first use, and a
+# hook whose internals moved turns itself off (``hook_failed``).  TorchVersion
+# compares numerically, so "2.9" < "2.11" holds.
 MIN_TORCH, MAX_TORCH = "2.11", "2.15"
 
 
@@ -29,6 +31,55 @@ DYNAMO_TRACES_REQUIRES_GRAD_ = TORCH_VERSION >= "2.13"
 
 def torch_is_supported() -> bool:
     return MIN_TORCH <= TORCH_VERSION < MAX_TORCH
+
+
+def warn_once_if_untested() -> None:
+    """At a backend's first compile (not at import: importing is not using)."""
+    if not torch_is_supported():
+        _warn_once("version", f"dynbatch is tested on torch {MIN_TORCH} up to (not including) {MAX_TORCH}, "
+                              f"not {TORCH_VERSION}; a feature whose torch internals changed turns "
+                              "itself off with a warning")
+
+
+# --- failing soft ------------------------------------------------------------
+# Every hook into torch internals below is one feature.  When a hook cannot be
+# installed (an attribute moved, a signature changed, an op overload is gone),
+# that feature is off for this process, with one warning naming it, and
+# compiles go on without it: stock Dynamo's behaviour (a graph break, an eager
+# grad) or functorch's own batching rule.  Never a crash of every compile.
+
+HOOK_FAILURES: dict[str, str] = {}  # feature -> why it is off
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    import warnings
+
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def hook_failed(feature: str, error: BaseException | str) -> None:
+    """Record that ``feature`` is off, and say so once."""
+    reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    HOOK_FAILURES.setdefault(feature, reason)
+    _warn_once("hook:" + feature, f"dynbatch: {feature} is off on torch {torch.__version__} "
+                                  f"({reason}); compiles go on without it")
+
+
+@contextlib.contextmanager
+def soft(feature: str, make_context: Callable[[], Any]) -> Iterator[None]:
+    """Enter ``make_context()`` if it can be entered; otherwise ``hook_failed``
+    and run the block without it.  Errors raised by the block itself pass."""
+    stack = contextlib.ExitStack()
+    if feature not in HOOK_FAILURES:
+        try:
+            stack.enter_context(make_context())
+        except Exception as e:  # noqa: BLE001 - a moved internal turns one feature off
+            hook_failed(feature, e)
+    with stack:
+        yield
 
 
 # --- autograd -------------------------------------------------------------
@@ -316,11 +367,17 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
     """
     import torch._dynamo.convert_frame as convert_frame
 
-    original = convert_frame._compile
+    original = getattr(convert_frame, "_compile", None)
     if getattr(original, "_dynbatch_original", None) is not None:
         return
-    params = list(inspect.signature(original).parameters)
-    position = params.index("compiler_fn")
+    try:
+        params = list(inspect.signature(original).parameters)
+        position = params.index("compiler_fn")
+    except (TypeError, ValueError) as e:
+        # Without the hook dynbatch cannot scope its capture: torch.autograd.grad
+        # graph-breaks as under stock Dynamo and runs eagerly, with eager's values.
+        hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
+        return
 
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
@@ -330,6 +387,16 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
 
     _compile._dynbatch_original = original  # type: ignore[attr-defined]
     convert_frame._compile = _compile
+
+
+def register_backend(fn: Callable, name: str) -> None:
+    """``register_backend`` unless the entry point already loaded this backend
+    (registering a name twice raises)."""
+    from torch._dynamo.backends import registry
+
+    backends = getattr(registry, "_BACKENDS", {})
+    if name not in backends or backends.get(name) is not None:
+        registry.register_backend(fn, name=name)
 
 
 def unwrap_dynamo_compile() -> None:
@@ -437,11 +504,20 @@ def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key:
     import warnings
 
     lib = torch.library.Library(namespace, "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
-        for op, fn in kernels.items():
-            lib.impl(op, fn, dispatch_key)
+    failed = []
     try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
+            for op, fn in kernels.items():
+                try:
+                    if isinstance(op, str) and not hasattr(getattr(torch.ops, namespace), op):
+                        # The dispatcher would take an impl for a name it does not know, silently.
+                        raise AttributeError(f"no operator {namespace}::{op}")
+                    lib.impl(op, fn, dispatch_key)
+                except Exception as e:  # noqa: BLE001 - an op gone from this torch keeps functorch's rule
+                    failed.append((op, e))
+        for op, e in failed:  # outside the block above, which silences warnings
+            hook_failed(f"the batching rule for {namespace}::{op}", e)
         yield
     finally:
         lib._destroy()  # drops our kernels; the C++ ones are in effect again

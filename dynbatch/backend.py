@@ -51,8 +51,9 @@ def dynbatch_backend(
     except _compat.restart_analysis_exceptions():
         raise  # Dynamo asks to re-trace the frame (e.g. to tensorify a float); not a failure
     except Exception as e:  # noqa: BLE001 - never hand back a graph we could not lower
-        if not result.batched or opts.on_unsupported == "error":
-            raise
+        if not result.batched:
+            raise  # nothing of ours in it: the inner compiler's own error
+        # "error" raises UnsupportedGraph here, chained to the lowering's exception.
         return _fall_back(gm, record, opts, f"lowering the batched graph failed: {type(e).__name__}: {e}")
     STATS.add(record)
     log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)%s",

@@ -488,7 +488,7 @@ def decomposed_rules() -> dict[torch._ops.OpOverload, Callable]:
     """Ops batched through torch._decomp's decomposition: backward ops vmap would
     loop over (NOTE [Backward ops without a batching rule]) and _DECOMPOSED_INSTEAD."""
     table = _compat.decomposition_table()
-    instead = [getattr(torch.ops.aten, name).default for name in _DECOMPOSED_INSTEAD]
+    instead = [op for op in map(_aten_op, _DECOMPOSED_INSTEAD) if op is not None and op in table]
     rules = {op: table[op] for op in instead}
     for op, decomposition in table.items():
         if (
@@ -503,9 +503,18 @@ def decomposed_rules() -> dict[torch._ops.OpOverload, Callable]:
     return rules
 
 
+def _aten_op(name: str) -> torch._ops.OpOverload | None:
+    """``aten::name.default``, or None (and the rule off, with a warning) where this torch lacks it."""
+    try:
+        return getattr(torch.ops.aten, name).default
+    except AttributeError as e:
+        _compat.hook_failed(f"the batching rule for aten::{name}", e)
+        return None
+
+
 @functools.cache
 def all_rules() -> dict:
-    samplewise = {getattr(torch.ops.aten, name).default for name in _SAMPLEWISE_BACKWARDS}
+    samplewise = {op for op in map(_aten_op, _SAMPLEWISE_BACKWARDS) if op is not None}
     return {
         "slice_backward": slice_backward,
         "cat": cat,

@@ -19,7 +19,9 @@ batch_rules.py), and (4) routes Dynamo's fake-tensor run
 of each captured ``torch.autograd.grad`` node through ``trace_grad`` below,
 and (5) on torch < 2.13 traces ``requires_grad_()`` of in-graph tensors as
 2.13 does (``x.detach().requires_grad_()``; jacobian/hessian call it).
-All five are undone when that frame's compile ends.  Dynamo compiles one frame
+All five are undone when that frame's compile ends, and each fails soft:
+where a torch release moved what it hooks, that piece is off (one warning,
+``_compat.HOOK_FAILURES``) and the compile goes on with stock behaviour.  Dynamo compiles one frame
 at a time under a global lock, so the scope never overlaps another backend's
 compile, and other backends see stock Dynamo.
 
@@ -57,10 +59,6 @@ def install() -> None:
     _compat.wrap_dynamo_compile(_scope_for)
 
 
-def uninstall() -> None:
-    _compat.unwrap_dynamo_compile()
-
-
 def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
     if getattr(backend, "_dynbatch_backend", False):
         return capture_scope()
@@ -69,7 +67,32 @@ def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def capture_scope():
-    """Trace ``torch.autograd.grad`` into the graph, batched grads via functorch."""
+    """Trace ``torch.autograd.grad`` into the graph, batched grads via functorch.
+
+    Each piece is one feature that fails soft (``_compat.soft``): where this
+    torch's internals moved, that piece is off with a warning and the compile
+    goes on with stock behaviour (a graph break, functorch's own rule)."""
+    _compat.warn_once_if_untested()
+    soft = _compat.soft
+    jacfwd = _compat.functional_forward_jacobian()
+    with (
+        soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules),
+        soft("capture of torch.autograd.grad", _grads_traced_by_dynbatch),
+        soft("tracing into torch.autograd.functional",
+             lambda: _compat.dynamo_inlines_module("torch.autograd.functional")),
+        # after the line above, which maps every function of the module to plain inlining
+        soft("the forward-mode Jacobian",
+             lambda: _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
+             else contextlib.nullcontext()),
+        soft("tracing requires_grad_() (torch < 2.13)", _compat.dynamo_traces_requires_grad_of_intermediates),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _grads_traced_by_dynbatch():
+    """``torch.autograd.grad`` as a graph node, fake-run by ``trace_grad``: both or
+    neither (stock Dynamo's fake run of a batched grad crashes on symbolic sizes)."""
     utils = _compat.dynamo_utils_module()
     original_run_node = utils.run_node
 
@@ -78,15 +101,7 @@ def capture_scope():
             return trace_grad(node, args, kwargs)
         return original_run_node(tracer, node, args, kwargs, nnmodule)
 
-    jacfwd = _compat.functional_forward_jacobian()
-    with (
-        batch_rules.symbolic_batch_rules(),
-        _compat.trace_autograd_ops_enabled(),
-        _compat.dynamo_inlines_module("torch.autograd.functional"),
-        # after the line above, which maps every function of the module to plain inlining
-        _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd else contextlib.nullcontext(),
-        _compat.dynamo_traces_requires_grad_of_intermediates(),
-    ):
+    with _compat.trace_autograd_ops_enabled():
         utils.run_node = run_node
         try:
             yield

@@ -31,8 +31,8 @@ def graph_text(gm: torch.fx.GraphModule | torch.fx.Graph, title: str = "graph") 
     return canonical_symbols("\n".join(lines) + "\n")
 
 
-def count_nodes(gm: torch.fx.GraphModule, op: str | None = None) -> int:
-    return sum(1 for n in gm.graph.nodes if op is None or n.op == op)
+def count_nodes(gm: torch.fx.GraphModule) -> int:
+    return len(gm.graph.nodes)
 
 
 def canonical_symbols(text: str) -> str:

@@ -41,7 +41,7 @@ class Stats:
         self.reset()
 
     def reset(self) -> None:
-        with getattr(self, "_lock", threading.Lock()):
+        with self._lock:
             self.counters: collections.Counter[str] = collections.Counter()
             self.fallback_reasons: collections.Counter[str] = collections.Counter()
             self.records: collections.deque[CompileRecord] = collections.deque(maxlen=_MAX_RECORDS)

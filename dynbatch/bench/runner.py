@@ -287,11 +287,10 @@ def _is_big(problem) -> bool:
 
 
 def _fresh_inductor_cache():
-    """torch's own "empty caches, in memory and on disk" context (private: renamed in 2.8)."""
-    from torch._inductor import utils
+    """torch's own "empty caches, in memory and on disk" context (private; torch 2.11+ name)."""
+    from torch._inductor.utils import fresh_cache
 
-    fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache", None)
-    return fresh() if fresh is not None else contextlib.nullcontext()
+    return fresh_cache()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,136 @@
+"""Failing soft when torch internals move (docs/design.md, "Torch versions").
+
+Each test breaks one hook the way a new torch release could, and checks that
+the feature turns off with one warning naming it while compiles go on with
+eager's values: never a crash of every compile, never a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.torch_version import TorchVersion
+
+import dynbatch
+from conftest import assert_same_grads
+from dynbatch import _compat, batch_rules, capture, lowering
+
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
+
+
+def vjp(x, V):
+    return torch.autograd.grad(torch.tanh(x @ W), x, V, is_grads_batched=True)
+
+
+def args(B=3):
+    return torch.randn(4, 6, requires_grad=True), torch.randn(B, 4, 6)
+
+
+@pytest.fixture(autouse=True)
+def fresh_hooks():
+    _compat.HOOK_FAILURES.clear()
+    _compat._WARNED.clear()
+    yield
+    _compat.HOOK_FAILURES.clear()
+    _compat._WARNED.clear()
+
+
+def _hook_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, RuntimeWarning) and "dynbatch" in str(w.message)]
+
+
+def test_a_refactored_compile_entry_point_turns_capture_off():
+    """A plain (*args, **kwargs) wrapper around convert_frame._compile, as a refactor
+    in a new torch could leave it: before, every dynbatch compile raised
+    "ValueError: 'compiler_fn' is not in list"."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    _compat.unwrap_dynamo_compile()
+    stock = convert_frame._compile
+
+    def _compile(*a, **k):
+        return stock(*a, **k)
+
+    convert_frame._compile = _compile
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            capture.install()
+        assert any("capture" in m and "compiler_fn" in m for m in _hook_warnings(seen)), _hook_warnings(seen)
+        x, V = args()
+        assert_same_grads(torch.compile(vjp, backend="dynbatch")(x, V), vjp(x, V))
+        assert not dynbatch.counters().get("grads_batched"), dynbatch.counters()  # stock Dynamo: eager grad
+    finally:
+        convert_frame._compile = stock
+        capture.install()
+    assert convert_frame._compile._dynbatch_original is stock
+
+
+def test_a_capture_piece_that_cannot_enter_is_off_and_the_rest_works(monkeypatch):
+    def moved(module_name):
+        raise AttributeError("trace_rules.get_torch_obj_rule_map")
+
+    monkeypatch.setattr(_compat, "dynamo_inlines_module", moved)
+
+    def jac(x):
+        return torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ W), x, vectorize=True)
+
+    x = torch.randn(3, 6)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_same_grads(torch.compile(jac, backend="dynbatch")(x), jac(x))
+        xv, V = args()
+        assert_same_grads(torch.compile(vjp, backend="dynbatch", fullgraph=True)(xv, V), vjp(xv, V))
+    messages = _hook_warnings(seen)
+    assert sum("tracing into torch.autograd.functional" in m for m in messages) == 1, messages
+    assert dynbatch.counters()["grads_batched"] >= 1  # plain is_grads_batched code still batched
+
+
+def test_a_batching_rule_for_an_op_this_torch_lacks_keeps_functorchs(monkeypatch):
+    ours = batch_rules.all_rules()
+    monkeypatch.setattr(batch_rules, "all_rules", lambda: {**ours, "not_an_op_in_this_torch": lambda *a: None})
+    x, V = args()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for B in (3, 5, 8):
+            x, V = args(B)
+            assert_same_grads(torch.compile(vjp, backend="dynbatch", fullgraph=True)(x, V), vjp(x, V))
+    messages = _hook_warnings(seen)
+    assert sum("aten::not_an_op_in_this_torch" in m for m in messages) == 1, messages
+    c = dynbatch.counters()
+    assert c["graphs"] == c["graphs_batched"] == 2 and not c.get("fallbacks"), c  # B stays symbolic
+
+
+def test_an_untested_torch_warns_once_at_first_compile(monkeypatch):
+    monkeypatch.setattr(_compat, "TORCH_VERSION", TorchVersion("2.15.0"))
+    x, V = args()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiled = torch.compile(vjp, backend="dynbatch", fullgraph=True)
+        assert not _hook_warnings(seen)  # nothing before the first compile
+        compiled(x, V)
+        compiled(*args(5))
+    messages = [m for m in _hook_warnings(seen) if "tested on torch" in m]
+    assert len(messages) == 1 and "2.15.0" in messages[0], messages
+
+
+def test_on_unsupported_error_raises_unsupported_graph_for_a_lowering_failure(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("an Inductor internal moved")
+
+    monkeypatch.setattr(lowering, "lower", broken)
+    x, V = args()
+    with pytest.raises(Exception) as raised:
+        torch.compile(vjp, backend="dynbatch", options={"dynbatch.on_unsupported": "error"})(x, V)
+    chain, e = [], raised.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    ours = [e for e in chain if isinstance(e, dynbatch.UnsupportedGraph)]
+    assert ours and "lowering the batched graph failed: RuntimeError: an Inductor internal moved" in str(ours[0])
+    torch._dynamo.reset()
+    dynbatch.reset()
+    assert_same_grads(torch.compile(vjp, backend="dynbatch")(x, V), vjp(x, V))  # "fallback": eager's values
+    assert dynbatch.counters()["fallbacks"] == 1
