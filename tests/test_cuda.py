@@ -134,7 +134,7 @@ def _cudnn_bn_case(dtype=torch.float32):
         return torch.nn.functional.batch_norm(x, None, None, w, b, training=True)
 
     if "Cudnn" not in layer(x, w, b).grad_fn.name():
-        pytest.skip(f"batch norm did not take cuDNN here ({layer(x, w, b).grad_fn.name()})")
+        pytest.skip(reason=f"batch norm did not take cuDNN here ({layer(x, w, b).grad_fn.name()})")
     return layer, [x, w, b]
 
 

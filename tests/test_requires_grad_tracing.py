@@ -22,7 +22,7 @@ def tracing(request, monkeypatch):
     if request.param == "backport":
         monkeypatch.setattr(_compat, "DYNAMO_TRACES_REQUIRES_GRAD_", False)
     elif not _compat.DYNAMO_TRACES_REQUIRES_GRAD_:
-        pytest.skip("this torch's Dynamo graph-breaks on requires_grad_()")
+        pytest.skip(reason="this torch's Dynamo graph-breaks on requires_grad_()")
     return request.param
 
 

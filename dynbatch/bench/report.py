@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from .variants import COMPILED, REFERENCE, VARIANTS
 
 OURS = "dynbatch"
-# dynbatch's own other configurations (a tight memory budget; the grad outside the
+# dynbatch's own other configurations (a tight memory budget; CUDA graphs; the grad outside the
 # compiled f): not rival columns, so "best other" leaves them out.
 OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside")
 
