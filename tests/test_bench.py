@@ -124,10 +124,10 @@ def test_markdown_shows_ratios_and_notes(quick_run):
         assert f"| {problem['problem']} |" in md
     # the memory table has every column, the new ones included
     memory = md.split("## Peak memory", 1)[1].split("\n## ", 1)[0]
-    for variant in VARIANTS:
+    for variant in results["meta"]["variants"]:
         assert f"{variant} MiB" in memory, variant
     # dynbatch's own configurations are never "the best other column"
-    assert "(dynbatch_budget)" not in md and "(dynbatch_outside)" not in md
+    assert "(dynbatch_budget)" not in md and "(dynbatch_outside)" not in md and "(dynbatch_cudagraphs)" not in md
     if not results["meta"]["jax"]:
         assert "jax not installed" in md
 
@@ -137,6 +137,12 @@ def test_quick_settings_and_flags(tmp_path):
     assert s.tier == "quick" and s.workloads == ("gelu_vjp", "hessian") and s.batch_sizes == (2, 3)
     assert s.stock_workloads == ("gelu_vjp",) and not s.cold_compile_cache and s.atoms is None
     assert settings_from(parse_args([])).tier == "cpu"
+    assert settings_from(parse_args([])).variants == tuple(v for v in VARIANTS if v not in variants.CUDA_ONLY)
+    s = settings_from(parse_args(["--quick", "--stock-workloads", "hessian,sweep"]))
+    assert s.stock_workloads == ("hessian", "sweep")
+    with pytest.raises(variants.VariantUnavailable, match="CUDA"):
+        variants.build("dynbatch_cudagraphs", workloads.build("sweep", "quick", None, torch.device("cpu"), None)[0],
+                       torch.device("cpu"))
     s = settings_from(parse_args(["--workloads", "full_hessian", "--atoms", "100,200"]))
     assert s.workloads == ("full_hessian",) and s.atoms == (100, 200) and s.tier == "cpu"
     with pytest.raises(SystemExit):
