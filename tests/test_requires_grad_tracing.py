@@ -61,14 +61,19 @@ def test_a_leaked_new_leaf_runs_eagerly_with_a_reason(monkeypatch):
     def f(x, V):
         x = x.detach().requires_grad_()
         y = torch.tanh(x @ W)
-        return torch.autograd.grad(y, x, V, is_grads_batched=True)[0], y
+        return torch.autograd.grad(y, x, V, retain_graph=True, is_grads_batched=True)[0], y
 
     x, V = torch.randn(4, 6), torch.randn(3, 4, 6)
     (g, y), (g_eager, y_eager) = torch.compile(f, backend="dynbatch")(x, V), f(x, V)
     assert y.requires_grad and y.grad_fn is not None
     assert_same_grads((g, y.detach()), (g_eager, y_eager.detach()))
-    reasons = " ".join(dynbatch.fallback_reasons())
-    assert dynbatch.counters()["fallbacks"] == 1 and "requires_grad_()" in reasons, reasons
+    if dynbatch.counters().get("fallbacks"):
+        reasons = " ".join(dynbatch.fallback_reasons())
+        assert dynbatch.counters()["fallbacks"] == 1 and "requires_grad_()" in reasons, reasons
+    else:
+        # torch 2.14's Dynamo checks graph outputs itself and graph-breaks first
+        breaks = " ".join(torch._dynamo.utils.counters["graph_break"])
+        assert _compat.TORCH_VERSION >= "2.14" and "requires_grad_() intermediate leaked" in breaks, breaks
 
 
 def _graph(returns_leaf_descendant: bool, requires_grad: bool) -> torch.fx.GraphModule:
