@@ -15,8 +15,8 @@ None-ness, with the stacked loop of eager per-sample grads.  With
 ``create_graph=True`` the grads must also carry a graph: a second-order
 quantity computed from them eagerly must match the loop's.
 
-Examples per run: 300 by default (``derandomize=True``, so CI is
-reproducible).  More:
+Examples per run: 80 by default and 300 under ``-m slow``
+(``derandomize=True``, so CI is reproducible).  More:
 
     DYNBATCH_FUZZ_EXAMPLES=5000 .venv/bin/python -m pytest tests/test_fuzz.py -q
 
@@ -49,7 +49,9 @@ from helpers_reliability import (
     reset_all,
 )
 
-EXAMPLES = int(os.environ.get("DYNBATCH_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("DYNBATCH_FUZZ_EXAMPLES", "80"))
+# The slow-marked run of the same check (-m slow).
+SLOW_EXAMPLES = int(os.environ.get("DYNBATCH_FUZZ_SLOW_EXAMPLES", "300"))
 SEED = os.environ.get("DYNBATCH_FUZZ_SEED")
 
 
@@ -339,30 +341,35 @@ def _check_program(p: Program, inputs: list[torch.Tensor], inner_compiler: str =
             assert_grads_equal(second[0], second[1], msg=f"second order {p!r}", **tol2)
 
 
-_settings = settings(
-    max_examples=EXAMPLES,
-    derandomize=SEED is None,
-    deadline=None,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+def _fuzz(max_examples: int):
+    settings_ = settings(
+        max_examples=max_examples,
+        derandomize=SEED is None,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
+    run = settings_(given(programs())(check_program))
+    return seed(int(SEED))(run) if SEED is not None else run
 
 
-@_settings
-@given(programs())
-def _fuzz(p: Program) -> None:
-    check_program(p)
-
-
-def test_fuzz_batched_grads_match_the_loop():
-    run = seed(int(SEED))(_fuzz) if SEED is not None else _fuzz
+def _fuzz_and_report(max_examples: int) -> None:
     STATS.update(examples=0, ops=0, float32_rounding=0, aot_eager_stride_bug=0)
-    run()
+    _fuzz(max_examples)()
     print(f"\ndynbatch fuzz: {STATS['examples']} examples, {STATS['ops']} ops in all, "
           f"{STATS['float32_rounding']} float32 differences confirmed as rounding in float64, "
           f"{STATS['aot_eager_stride_bug']} re-checked under Inductor (AOT_EAGER_STRIDE_BUG)")
-    assert STATS["examples"] >= min(EXAMPLES, 300) * 0.9  # hypothesis may stop a little early
+    assert STATS["examples"] >= min(max_examples, 300) * 0.9  # hypothesis may stop a little early
+
+
+def test_fuzz_batched_grads_match_the_loop():
+    _fuzz_and_report(EXAMPLES)
+
+
+@pytest.mark.slow
+def test_fuzz_batched_grads_match_the_loop_more_examples():
+    _fuzz_and_report(SLOW_EXAMPLES)
 
 
 def test_op_table_is_large_enough():
