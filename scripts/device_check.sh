@@ -32,7 +32,7 @@ for phase in ${PHASES:-tests}; do
     # Correctness runs side by side: nothing here is timed.
     timeout "${PYTEST_TIMEOUT:-240}" "${PYTEST[@]}" $(workers "${TEST_WORKERS:-6}") $TESTS > /tmp/pytest.log 2>&1 &
     tests=$!
-    DYNBATCH_OPINFO_DEVICE="$DEVICE" DYNBATCH_OPINFO_RECORD=/tmp/opinfo.json \
+    DYNBATCH_OPINFO_DEVICE="$DEVICE" DYNBATCH_OPINFO_STRIDE=1 DYNBATCH_OPINFO_RECORD=/tmp/opinfo.json \
       timeout "${OPINFO_TIMEOUT:-240}" "${PYTEST[@]}" $(workers "${OPINFO_WORKERS:-8}") tests/test_opinfo.py \
       ${OPINFO_K:+-k "$OPINFO_K"} > /tmp/opinfo.log 2>&1 &
     opinfo=$!
