@@ -687,6 +687,31 @@ def current_grad_node_name() -> str | None:
     return (meta or {}).get(GRAD_NODE_META)
 
 
+def inductor_patterns_registered_outside_transforms(example_inputs: Any) -> None:
+    """Inductor registers its pattern-matcher patterns at a process's first compile,
+    by tracing example functions, one of which draws ``randperm``.  When that first
+    compile happens under a functorch transform (a region's backward taken inside
+    vmap, eager's legacy one or functorch's), the tracing fails: "random operations
+    inside of vmap".  Register them with both set aside; Inductor's own calls then
+    find them cached (the same device argument)."""
+    legacy_levels = legacy_vmap_level()
+    if not legacy_levels and not functorch_transform_active():
+        return
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    for _ in range(legacy_levels):
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        with temporarily_clear_interpreter_stack():
+            joint_graph.lazy_init(device)
+            post_grad.lazy_init()
+    finally:
+        for _ in range(legacy_levels):
+            torch._C._vmapmode_increment_nesting()
+
+
 def functorch_transform_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 

@@ -67,6 +67,7 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
         with _compat.inductor_lowerings(_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT):
             return inner(aten_gm, aten_inputs, **kwargs)
 
+    _compat.inductor_patterns_registered_outside_transforms(example_inputs)
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
     # copies of the primal; compute them once (passes.SinkExpands), unless the

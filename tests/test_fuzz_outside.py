@@ -11,7 +11,7 @@ applied to the eager program is the oracle.  The property: the same values and
 the same Nones, and the region's backward really ran (dynbatch's ``outside_*``
 counters moved), so a silently eager result cannot pass.
 
-Examples per run: ``DYNBATCH_OUTSIDE_FUZZ_EXAMPLES`` (default 40; derandomized).
+Examples per run: ``DYNBATCH_OUTSIDE_FUZZ_EXAMPLES`` (default 30; derandomized).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import dynbatch
 from conftest import assert_same_grads, reset_all
 from test_fuzz import Program, programs
 
-EXAMPLES = int(os.environ.get("DYNBATCH_OUTSIDE_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("DYNBATCH_OUTSIDE_FUZZ_EXAMPLES", "30"))
 OPTIONS = {"dynbatch.inner_compiler": "aot_eager"}
 grad = torch.autograd.grad
 

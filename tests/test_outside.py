@@ -296,3 +296,24 @@ def test_no_inductor_deprecation_warnings_leak(tmp_path, monkeypatch):
         compiled(fn, {"fx_graph_cache": False}, fullgraph=True)(x, torch.randn(3, 4))
     leaked = [w for w in seen if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert not leaked, [str(w.message) for w in leaked]
+
+
+def test_first_inductor_compile_of_a_process_inside_legacy_vmap():
+    """A fresh process whose first Inductor compile is a region's batched backward
+    inside the legacy vmap (a forward-over-reverse Hessian): Inductor's lazy pattern
+    setup traces randperm, which vmap refuses, so this raised "random operations
+    inside of vmap" (torch 2.13) until dynbatch registered the patterns outside it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.autograd.functional as AF\n"
+        "hess = lambda t: AF.hessian(lambda u: (u.sin() ** 2).sum(), t, vectorize=True,"
+        " outer_jacobian_strategy='forward-mode')\n"
+        "x = torch.randn(4, dtype=torch.float64)\n"
+        "torch.testing.assert_close(torch.compile(hess, backend='dynbatch')(x), hess(x))\n"
+        "import dynbatch; print('graphs', dynbatch.counters().get('graphs', 0))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split("graphs")[-1]) >= 1, done.stdout  # dynbatch compiled, not only eager
