@@ -13,10 +13,10 @@ mkdir -p "$VENV_ROOT" "$OUT_DIR"
 for v in $VERSIONS; do
   venv="$VENV_ROOT/torch-$v"
   log="$OUT_DIR/torch-$v.log"
-  if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv" && "$venv/bin/pip" install -q "torch==$v" -e '.[test]' > "$log" 2>&1 \
-      || { echo "torch $v: install failed (see $log)"; continue; }
-  fi
+  # the README's extras: op_db needs numpy, which torch's PyPI builds do not bring
+  { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } \
+    && "$venv/bin/pip" install -q "torch==$v" -e '.[test,bench]' > "$log" 2>&1 \
+    || { echo "torch $v: install failed (see $log)"; continue; }
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pytest -q ${TESTS:-} >> "$log" 2>&1
   echo "torch $v: exit $? - $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$log" | tail -1)"
