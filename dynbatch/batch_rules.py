@@ -417,6 +417,34 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     return _rewrap_all((grad_input, grad_weight, grad_bias), level)
 
 
+def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                            attn_mask=None, scale=None):
+    """The CPU backward of scaled_dot_product_attention has no functorch rule, so
+    vmap loops per sample (B read as an int: one graph per B).  Every operand is
+    [N, H, L, ...] per sample, N independent attention problems, so B folds into
+    N: one call on [B*N, ...].  With dropout the per-sample loop stays (the
+    op's random stream is per call)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    level = _compat.current_vmap_level()
+
+    def call(go, q, k, v, o, lse, mask):
+        return op(go, q, k, v, o, lse, dropout_p, is_causal, attn_mask=mask, scale=scale)
+
+    args = (grad_out, query, key, value, out, logsumexp, attn_mask)
+    if dropout_p != 0 or not _any_batched(args, level):
+        return _per_sample(call, *args)
+    if attn_mask is not None:
+        # one [N, H, L, S] mask per sample before folding: a broadcast mask's
+        # leading dims would not broadcast against B*N
+        N, H, L, S = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+        attn_mask = attn_mask.expand(N, H, L, S)
+    operands, B, level = _batch_dim_first((grad_out, query, key, value, out, logsumexp, attn_mask))
+    with _compat.below_vmap():
+        # dense, as fold_batch_into_dim0 does: an expanded operand folds to stride 0
+        grads = call(*[a if a is None else a.flatten(0, 1).contiguous() for a in operands])
+    return _rewrap_all([g.unflatten(0, (B, -1)) for g in grads], level)
+
+
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
 _SAMPLEWISE_BACKWARDS = (
     "avg_pool2d_backward", "avg_pool3d_backward",
@@ -528,6 +556,7 @@ def all_rules() -> dict:
         "cudnn_batch_norm_backward": cudnn_batch_norm_backward,
         "miopen_batch_norm_backward": cudnn_batch_norm_backward,
         "native_group_norm_backward": native_group_norm_backward,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": sdpa_flash_cpu_backward,
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

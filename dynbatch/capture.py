@@ -73,6 +73,7 @@ def capture_scope():
     torch's internals moved, that piece is off with a warning and the compile
     goes on with stock behaviour (a graph break, functorch's own rule)."""
     _compat.warn_once_if_untested()
+    _compat.fake_cuda_guard_outlives_threads()
     soft = _compat.soft
     jacfwd = _compat.functional_forward_jacobian()
     with (

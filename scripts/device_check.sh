@@ -22,7 +22,7 @@ section env
 DEVICE="${DEVICE:-cuda}"
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts= -m "not slow")
 workers() { python3 -c "import xdist" 2>/dev/null && echo "-n $1"; }  # pytest-xdist, where installed
-TESTS="${TESTS:-tests/test_cuda.py tests/test_core.py tests/test_symbolic_batch.py tests/test_errors.py
+TESTS="${TESTS:-tests/test_cuda.py tests/test_core.py tests/test_recompiles.py tests/test_bad_inputs.py
   tests/test_batching_pass.py tests/test_codegen.py tests/test_lowering_passes.py tests/test_outside.py
   tests/test_requires_grad_tracing.py tests/test_fail_soft.py}"
 

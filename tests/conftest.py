@@ -9,7 +9,10 @@ import dynbatch
 
 # Cheap inner compiler for semantic tests: same capture and batching pass,
 # same AOTAutograd trace, no Inductor codegen (seconds per compile on 2 cores).
+# "error": a graph dynbatch cannot batch raises, so no test passes through a silent fallback.
 AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
+# For tests about the fallback path; they assert that it was taken (assert_fell_back).
+FALLBACK = {"dynbatch.on_unsupported": "fallback"}
 
 
 def reset_all() -> None:
@@ -25,8 +28,10 @@ def fresh_dynamo():
     reset_all()
 
 
-def compile_dynbatch(fn, *, options=AOT_EAGER, fullgraph=True, **kwargs):
-    return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, options=options, **kwargs)
+def compile_dynbatch(fn, *, options=None, fullgraph=True, **kwargs):
+    """The one compile helper of the suite: ``options`` are merged over ``AOT_EAGER``."""
+    return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, options={**AOT_EAGER, **(options or {})},
+                         **kwargs)
 
 
 def _as_tuple(x):
@@ -64,6 +69,18 @@ def assert_same_grads(actual, expected, *, atol=None, rtol=None, msg=""):
         if a is not None:
             torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m, i=i: f"{msg}: result {i}: {m}")
+
+
+def assert_fell_back(caplog, fallbacks=1):
+    """dynbatch counted ``fallbacks`` fallbacks and logged each with its reason.
+
+    ``caplog`` must have captured the "dynbatch" logger at WARNING.
+    """
+    c = dynbatch.counters()
+    assert c.get("fallbacks", 0) == fallbacks, (c, dynbatch.fallback_reasons())
+    assert caplog.text.count("falling back to eager") == fallbacks, caplog.text
+    for reason in dynbatch.fallback_reasons():
+        assert reason in caplog.text, (reason, caplog.text)
 
 
 def assert_backend_ran(graphs=1, batched=None):

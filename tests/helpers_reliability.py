@@ -4,8 +4,10 @@ Oracles, not numbers: every expected value here is computed at run time by
 eager PyTorch, either as a stacked loop of per-sample ``torch.autograd.grad``
 calls (``loop_grads``) or by eager ``is_grads_batched=True`` itself.
 
-Compiling: ``compile_dynbatch`` compiles with the dynbatch backend and
-``aot_eager`` as the inner compiler (cheap for sweeps).  ``DynbatchCounter``
+Compiling: ``compile_dynbatch`` is conftest's (re-exported): the dynbatch
+backend with ``aot_eager`` as the inner compiler (cheap for sweeps) and
+``on_unsupported="error"``, so a test about the fallback path passes
+``options=FALLBACK`` and asserts the fallback.  ``DynbatchCounter``
 is a counting backend: ``torch._dynamo.testing.CompileCounterWithBackend("dynbatch")``
 can neither forward ``options=`` nor be recognised by dynbatch's capture
 scope (dynbatch enters its scope only for a backend carrying
@@ -23,12 +25,12 @@ import torch._dynamo
 import torch._dynamo.utils
 
 import dynbatch
-# One reset and one oracle for every suite (re-exported under the names these tests use).
+# One reset, one oracle and one compile helper for every suite (re-exported under the
+# names these tests use).
+from conftest import AOT_EAGER, FALLBACK, assert_fell_back, compile_dynbatch  # noqa: F401
 from conftest import assert_same_grads as assert_grads_equal  # noqa: F401
 from conftest import loop_grads, reset_all  # noqa: F401
 from dynbatch.backend import dynbatch_backend
-
-AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager"}
 
 
 class DynbatchCounter:
@@ -40,7 +42,7 @@ class DynbatchCounter:
     _dynbatch_backend = True  # what dynbatch's capture scope looks for
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
-        self.options = dict(AOT_EAGER if options is None else options)
+        self.options = {**AOT_EAGER, **(options or {})}  # as compile_dynbatch merges them
         self.frame_count = 0
         self.op_count = 0
 
@@ -48,13 +50,6 @@ class DynbatchCounter:
         self.frame_count += 1
         self.op_count += sum(1 for n in gm.graph.nodes if "call" in n.op)
         return dynbatch_backend(gm, example_inputs, options=self.options)
-
-
-def compile_dynbatch(fn: Callable, *, fullgraph: bool = True, dynamic: bool | None = None,
-                     options: dict[str, Any] | None = None) -> Callable:
-    opts = dict(AOT_EAGER)
-    opts.update(options or {})
-    return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, dynamic=dynamic, options=opts)
 
 
 def graph_breaks() -> int:

@@ -10,10 +10,19 @@ Nothing here is copied from a run.
 REJECTED: cases eager raises on.  ACCEPTED: cases eager silently accepts
 (extra grad_outputs, float64 / integer / stride-0 cotangents, B=1, ...).
 
+A rejected case reaches eager's error through dynbatch's fallback (the
+graph runs eagerly): those tests compile with ``on_unsupported="fallback"``
+and assert the fallback was counted and logged; under the suite's default
+``"error"`` the same graph raises ``dynbatch.UnsupportedGraph``.  Accepted
+cases compile under ``"error"``, so they cannot pass through a fallback.
+
 ``DYNAMO_REFUSES`` lists the cases where, under ``fullgraph=True``, Dynamo
 itself refuses the program before dynbatch sees a graph (Dynamo's own
 checks, not dynbatch's); for them the test asserts exactly that refusal and,
-with ``fullgraph=False``, eager's behaviour.
+with ``fullgraph=False``, eager's behaviour through a graph break.
+
+Also here (issue 2, items 5-7): ``shape_checks`` on its own, and validation of
+the options.
 """
 
 from __future__ import annotations
@@ -26,10 +35,15 @@ import pytest
 import torch
 
 import dynbatch
+from dynbatch import shape_checks
+from dynbatch.options import Options
 from helpers_reliability import (
+    FALLBACK,
+    assert_fell_back,
     assert_grads_equal,
     assert_same_exception,
     compile_dynbatch,
+    graph_breaks,
     outcome,
 )
 
@@ -250,19 +264,29 @@ def test_rejected_like_eager(name, fullgraph, caplog):
     _skip_without_device(case)
     e_kind, expected = _run(case.program, case)
     assert e_kind == "raise", f"{name}: eager accepts this program now: {expected!r}"
-    compiled = compile_dynbatch(case.program, fullgraph=fullgraph)
+    compiled = compile_dynbatch(case.program, fullgraph=fullgraph, options=FALLBACK)
     with caplog.at_level(logging.WARNING, logger="dynbatch"):
         kind, got = _run(compiled, case)
     assert kind == "raise", f"{name}: compiled returned {got!r}, eager raises {expected!r}"
-    if fullgraph and name in DYNAMO_REFUSES:
-        exc_type, fragment, _why = DYNAMO_REFUSES[name]
-        assert isinstance(got, exc_type) and fragment in str(got), (
-            f"{name}: expected Dynamo's refusal {exc_type.__name__} ({fragment!r}), got {type(got).__name__}: {got}")
+    if name in DYNAMO_REFUSES:
+        if fullgraph:
+            exc_type, fragment, _why = DYNAMO_REFUSES[name]
+            assert isinstance(got, exc_type) and fragment in str(got), (
+                f"{name}: expected Dynamo's refusal {exc_type.__name__} ({fragment!r}), "
+                f"got {type(got).__name__}: {got}")
+            assert not dynbatch.counters().get("graphs"), dynbatch.counters()
+            return
+        # Dynamo graph-breaks at the grad call, so eager runs it: no dynbatch fallback.
+        assert_same_exception(got, expected, name)
+        assert graph_breaks() > 0
+        assert not dynbatch.counters().get("fallbacks"), dynbatch.fallback_reasons()
         return
     assert_same_exception(got, expected, name)
-    if fullgraph:
-        # dynbatch compiled the graph (no graph break) and ran it eagerly, logged and counted.
-        assert dynbatch.counters().get("graphs", 0) >= 1, dynbatch.counters()
+    # dynbatch got the whole grad call in one graph (no graph break), could not
+    # batch it and ran it eagerly: one fallback, counted and logged with its reason.
+    assert graph_breaks() == 0
+    assert dynbatch.counters().get("graphs") == 1, dynbatch.counters()
+    assert_fell_back(caplog)
 
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
@@ -271,14 +295,123 @@ def test_accepted_like_eager(name, fullgraph):
     case = ACCEPTED[name]
     e_kind, expected = _run(case.program, case)
     assert e_kind == "ok", f"{name}: eager rejects this program now: {expected!r}"
-    compiled = compile_dynbatch(case.program, fullgraph=fullgraph)
+    compiled = compile_dynbatch(case.program, fullgraph=fullgraph)  # on_unsupported="error"
     kind, got = _run(compiled, case)
     assert kind == "ok", f"{name}: compiled raises {type(got).__name__}: {got}"
     _assert_same_values(got, expected, name)
-    if fullgraph:
-        assert dynbatch.counters().get("graphs", 0) >= 1, dynbatch.counters()
+    # The batched path, in one graph, under fullgraph=False as well.
+    c = dynbatch.counters()
+    assert c.get("graphs") == c.get("graphs_batched") == 1 and not c.get("fallbacks"), c
+    assert graph_breaks() == 0
 
 
 def test_corpus_size():
     """The issue asks for at least 18 rejected cases."""
     assert len(REJECTED) >= 18
+
+
+def test_on_unsupported_error_raises_with_the_reason():
+    """The suite's default, on_unsupported="error": where test_rejected_like_eager
+    falls back, dynbatch raises UnsupportedGraph with the reason instead."""
+    case = REJECTED["batched_shape_mismatch"]
+    _, expected = _run(case.program, case)
+    # Dynamo wraps every backend exception in BackendCompilerFailed.
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compile_dynbatch(case.program)(*case.make_args(_g()))
+    assert isinstance(info.value.inner_exception, dynbatch.UnsupportedGraph)
+    assert "If `is_grads_batched=True`" in str(info.value.inner_exception)
+    assert str(expected) in str(info.value.inner_exception)  # the reason quotes eager's message
+
+
+def test_good_call_after_bad_call_compiles_and_batches(caplog):
+    compiled = compile_dynbatch(p_batched, options=FALLBACK)
+    with caplog.at_level(logging.WARNING, logger="dynbatch"):
+        with pytest.raises(RuntimeError):
+            compiled(*REJECTED["batched_shape_mismatch"].make_args(_g()))
+    assert_fell_back(caplog)
+    x, V = _x(_g(1), 3, 4), _randn(_g(2), 2, 3, 4)
+    assert_grads_equal(compiled(x, V), p_batched(x, V))
+    c = dynbatch.counters()  # the good shapes compile a second graph, batched
+    assert c["graphs"] == 2 and c["graphs_batched"] == 1 and c["fallbacks"] == 1, c
+
+
+# --- shape_checks on its own: eager's messages, no specialisation of B ---------
+
+def _make_grads_error(outputs, grads):
+    with pytest.raises(Exception) as info:
+        torch.autograd._make_grads(outputs, grads, is_grads_batched=True)
+    return info.value
+
+
+@pytest.mark.parametrize("grad", [torch.randn(2, 3, 5), torch.randn(2, 3, 4, dtype=torch.complex64)])
+def test_shape_checks_messages_equal_make_grads(grad):
+    out = torch.randn(3, 4, requires_grad=True) * 1
+    expected = _make_grads_error((out,), (grad,))
+    with pytest.raises(type(expected)) as info:
+        shape_checks.check_grad_outputs((out,), (grad,), is_grads_batched=True)
+    assert str(info.value) == str(expected)
+
+
+def test_shape_checks_keep_batch_size_symbolic():
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    ctx = StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC], constraint_sizes=[None] * 3
+    )
+    V = mode.from_tensor(torch.randn(5, 3, 4), source=ConstantSource("V"), symbolic_context=ctx)
+    with mode:
+        out = torch.empty(3, 4)
+        shape_checks.check_grad_outputs((out,), (V,), is_grads_batched=True)
+    assert isinstance(V.shape[0], torch.SymInt)
+    assert not V.shape[0].node.expr.is_number  # B was not specialised
+    guards = [str(g.expr) for g in shape_env.guards]
+    assert not any(str(V.shape[0].node.expr) + " == 5" in g for g in guards), guards
+
+
+def test_shape_checks_name_both_batch_sizes():
+    out = torch.randn(3, requires_grad=True) * 1
+    with pytest.raises(ValueError, match="batch size 2 .* batch size 5"):
+        shape_checks.check_grad_outputs((out, out), (torch.randn(2, 3), torch.randn(5, 3)), is_grads_batched=True)
+
+
+# --- options ---------------------------------------------------------------------
+
+def test_unknown_dynbatch_option_lists_known_ones():
+    with pytest.raises(ValueError, match=r"dynbatch.inner_compiler"):
+        Options.from_compile_args(None, {"dynbatch.inner_compilr": "aot_eager"})
+
+
+def test_unknown_option_at_compile_time_raises():
+    compiled = torch.compile(p_batched, backend="dynbatch", options={"dynbatch.nope": 1})
+    with pytest.raises(Exception, match="known dynbatch options"):
+        compiled(torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4))
+
+
+def test_unknown_inductor_option_raises_like_inductor():
+    with pytest.raises(RuntimeError, match="Unexpected optimization option not_an_option"):
+        Options.from_compile_args(None, {"not_an_option": True})
+
+
+def test_mode_and_options_reach_inductor(monkeypatch):
+    from dynbatch import _compat
+
+    seen = []
+    real = _compat.compile_fx
+
+    def spy(gm, example_inputs, *, inner_compile, config_patches):
+        seen.append(dict(config_patches))
+        return real(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+    monkeypatch.setattr(_compat, "compile_fx", spy)
+    x, V = torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4)
+    torch.compile(p_batched, backend="dynbatch", options={"epilogue_fusion": False})(x, V)
+    assert seen[-1]["epilogue_fusion"] is False
+    torch._dynamo.reset()
+    # reduce-overhead: cheap to compile here (CUDA graphs are skipped on the CPU)
+    torch.compile(p_batched, backend="dynbatch", mode="reduce-overhead")(x, V)
+    assert seen[-1]["triton.cudagraphs"] is True
+    assert Options.from_compile_args("max-autotune-no-cudagraphs", None).inductor_config["max_autotune"] is True

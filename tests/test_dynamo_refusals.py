@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import AOT_EAGER, assert_same_grads
+import dynbatch
+from conftest import assert_same_grads, compile_dynbatch
+from helpers_reliability import graph_breaks
 
 
 def gradient_edge_program(x, V):
@@ -41,7 +43,7 @@ CASES = {
 
 
 def _compile(fn, fullgraph):
-    return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, options=AOT_EAGER)
+    return compile_dynbatch(fn, fullgraph=fullgraph)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -53,13 +55,16 @@ def test_graph_break_gives_eagers_result(case):
     except Exception as e:  # where eager refuses, the compiled call raises the same type
         with pytest.raises(type(e)):
             _compile(fn, fullgraph=False)(*args)
-        return
-    got = _compile(fn, fullgraph=False)(*args)
-    for a, b in zip(_as_tuple(got), _as_tuple(expected)):
-        if isinstance(a, tuple):
-            assert_same_grads(a, b)
-        else:
-            torch.testing.assert_close(a, b)
+    else:
+        got = _compile(fn, fullgraph=False)(*args)
+        for a, b in zip(_as_tuple(got), _as_tuple(expected), strict=True):  # same number of results too
+            if isinstance(a, tuple):
+                assert_same_grads(a, b)
+            else:
+                torch.testing.assert_close(a, b)
+    # Dynamo's refusal is a graph break (the grad runs eagerly), not a dynbatch fallback.
+    assert graph_breaks() > 0
+    assert not dynbatch.counters().get("fallbacks"), dynbatch.fallback_reasons()
 
 
 def _as_tuple(r):

@@ -440,3 +440,54 @@ def test_gpu_batch_norm_backward_rules_batch_like_the_native_op_to_second_order(
                                    allow_unused=True, materialize_grads=True)
 
     assert_same_grads(second(got), second(loop))
+
+
+# (query [N, H, L, E], key/value length S, mask, is_causal, scale)
+_ATTENTIONS = {
+    "plain": ((2, 3, 4, 8), 4, None, False, None),
+    "causal_scaled": ((2, 3, 5, 8), 5, None, True, 0.3),
+    "cross_bool_mask": ((2, 2, 4, 8), 6, "bool_ls", False, None),
+    "float_mask_per_row": ((3, 2, 4, 8), 5, "float_n1ls", False, None),
+    "one_row": ((1, 2, 4, 8), 4, "float_n1ls", False, None),
+}
+
+
+def _attention_case(name):
+    (N, H, L, E), S, mask_kind, is_causal, scale = _ATTENTIONS[name]
+    q = torch.randn(N, H, L, E, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(N, H, S, E, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(N, H, S, E, dtype=torch.float64, requires_grad=True)
+    mask = {None: None, "bool_ls": torch.rand(L, S) > 0.3,
+            "float_n1ls": torch.randn(N, 1, L, S, dtype=torch.float64)}[mask_kind]
+    if mask is not None and mask.dtype == torch.bool:
+        mask[:, 0] = True  # no row fully masked (NaN in eager and compiled alike)
+
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+    return layer, [q, k, v]
+
+
+@pytest.mark.parametrize("name", list(_ATTENTIONS))
+def test_cpu_attention_backward_rule_matches_the_loop_with_one_graph_for_every_B(name):
+    """The CPU flash-attention backward has no functorch rule (vmap looped per
+    sample, one graph per B); dynbatch folds B into the attention batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layer, primals = _attention_case(name)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func)
+            return func(*args, **(kwargs or {}))
+
+    seen: set = set()
+    with Ops():
+        layer(*primals)
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default in seen, "not the flash path: the rule is not exercised"
+
+    def f(q, k, v, V):
+        return torch.autograd.grad(layer(q, k, v), (q, k, v), V, is_grads_batched=True)
+
+    _check_batch_sweep(_compile_aot_eager(f), primals, layer)
+    assert dynbatch.counters().get("fallbacks", 0) == 0

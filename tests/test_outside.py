@@ -25,8 +25,9 @@ import torch.autograd.functional as AF
 import dynbatch
 from conftest import assert_same_grads, loop_grads
 
-INDUCTOR = {}
-AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager"}
+# "error": a graph dynbatch cannot batch raises here rather than passing through eager
+INDUCTOR = {"dynbatch.on_unsupported": "error"}
+AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
 grad = torch.autograd.grad
 
 
