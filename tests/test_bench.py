@@ -55,6 +55,7 @@ def test_every_workload_and_every_variant_per_case(quick_run):
                 if cell["status"] == "ok":
                     assert cell["median_s"] > 0 and cell["first_call_s"] > 0 and cell["times_s"]
                     assert cell["iqr_s"] >= 0 and cell["peak_mem_bytes"] >= 0
+                    assert cell["cores_used"] > 0, (problem["problem"], variant, cell)
             assert case["floor"]["median_s"] > 0, (problem["problem"], case["label"])
 
 
@@ -234,3 +235,34 @@ def test_memory_guard_skips_what_does_not_fit():
     grown = dict(measured, peak_mem_bytes=available)
     assert "peak at" in runner.memory_guard("compiled_func", huge, cpu, [(small, grown)])
     assert runner.memory_guard("eager_batched", case, cpu, []) is None  # the real estimate fits
+
+
+def test_cores_used_reads_one_busy_thread_as_about_one_core():
+    import time
+
+    from dynbatch.bench.measure import cores_used
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    while time.perf_counter() - wall < 0.3:
+        pass
+    # at most one core (plus timer slack); under load the spin may get less
+    assert 0.1 < cores_used(cpu, wall) <= 1.2
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="no CPU affinity here (Linux only)")
+def test_pinning_holds_threads_started_later():
+    import os
+    import threading
+
+    from dynbatch.bench.__main__ import pin_to_cores
+
+    saved = os.sched_getaffinity(0)
+    try:
+        cores = pin_to_cores(1)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        assert cores == [min(saved)] and seen == [{min(saved)}]
+    finally:
+        os.sched_setaffinity(0, saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -65,8 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep Inductor's and Triton's on-disk caches (default: an empty folder, "
                              "so first calls include the whole compile; --quick implies it)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's choice); use 1 on a CPU shared with "
-                             "other jobs, where a 2-thread op waits for a descheduled thread")
+                        help="torch intra-op threads (default: torch's choice); on the CPU the whole process "
+                             "is also pinned to that many cores first, so every column (JAX's thread pool "
+                             "and the stock worker included) runs on the same cores")
     parser.add_argument("--min-time", type=float, default=None,
                         help="seconds of steady-state timing per cell, at least 5 calls "
                              "(default 0.5; --quick: 0.02 and 3 calls)")
@@ -110,8 +112,21 @@ def settings_from(args: argparse.Namespace) -> runner.Settings:
     )
 
 
+def pin_to_cores(n: int) -> list[int] | None:
+    """Hold this process to its first ``n`` allowed cores.  Done before any column
+    runs: threads started later (torch's OpenMP pool, XLA's pool) and the stock
+    worker process inherit it, so a one-core run is one core for every column."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))[:n]
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads and torch.device(args.device).type == "cpu":
+        pin_to_cores(args.threads)
     # Save after every problem: a long run that is stopped still leaves its tables.
     results = runner.run(settings_from(args), on_problem=lambda partial: report.write(partial, args.out))
     paths = report.write(results, args.out)

@@ -70,6 +70,14 @@ def steady_times(fn: Callable[[], Any], sync: Callable[[], None], budget: Budget
     return times
 
 
+def cores_used(cpu_before: float, wall_before: float) -> float:
+    """The process's CPU time over wall time since the two readings: how many
+    cores the column kept busy while it was timed (every thread of this process,
+    torch's and XLA's pools included).  A one-core run should read at most ~1."""
+    wall = time.perf_counter() - wall_before
+    return (time.process_time() - cpu_before) / wall if wall > 0 else float("nan")
+
+
 def summarize(times: list[float]) -> dict[str, float]:
     """Median and interquartile range of raw times, in seconds."""
     if len(times) >= 2:
@@ -221,8 +229,11 @@ def measure_cell(
     sync = synchronizer(device)
     result, first = first_call(fn, sync)
     result = to_torch(result)
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
     times = steady_times(fn, sync, budget)
-    cell: dict[str, Any] = {"status": "ok", "first_call_s": first, **summarize(times), "times_s": times}
+    cores = cores_used(cpu_before, wall_before)
+    cell: dict[str, Any] = {"status": "ok", "first_call_s": first, **summarize(times), "times_s": times,
+                            "cores_used": cores}
     cell["peak_mem_bytes"], cell["mem_method"] = peak_memory(fn, sync, device, torch_tensors)
     cell["max_abs_err"] = max_abs_error(result, reference) if reference is not None else None
     return cell, result

@@ -190,6 +190,25 @@ def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
     return table(header, body)
 
 
+def cores_table(results, notes: Footnotes) -> str:
+    """Process CPU time over wall time while each cell was timed (older runs: –)."""
+    cols = columns(results)
+    body = []
+    for problem, case in rows(results):
+        body.append([problem["problem"], case["label"]] + _case_cells(
+            problem, case, cols, notes, lambda c, v: f"{c['variants'][v].get('cores_used', float('nan')):.2f}"
+            if c["variants"][v].get("cores_used") is not None else "–"))
+    return table(["problem", "case"] + cols, body)
+
+
+def max_cores_used(results) -> tuple[float, str] | None:
+    """The busiest timed cell of the run, and where it was."""
+    seen = [(cell["cores_used"], f"{v}, {p['problem']} {c['label']}")
+            for p in results["problems"] for c in p["cases"] for v, cell in c["variants"].items()
+            if ok(cell) and cell.get("cores_used") is not None]
+    return max(seen) if seen else None
+
+
 def error_table(results, notes: Footnotes) -> str:
     cols = columns(results)
     body = []
@@ -263,6 +282,10 @@ def markdown(results: dict[str, Any]) -> str:
         "`dynbatch / best other` names the fastest other column; `floor` is the matrix products any "
         "batched backward must do, timed alone in the same run.",
         time_table(results, notes),
+        "## Cores used while timed",
+        "The process's CPU time over wall time during each cell's timed calls (`cores_used` in "
+        "results.json): a column held to one core reads at most about 1. " + _cores_sentence(results, meta),
+        cores_table(results, notes),
         "## First call (compile included)",
         "Seconds for the first call of each case, in sweep order: a later case's first call includes "
         "a recompile if the column needed one.",
@@ -284,6 +307,13 @@ def markdown(results: dict[str, Any]) -> str:
         parts += ["## Notes", notes.markdown()]
     parts += ["## Columns", "\n".join(f"- `{k}`: {v}" for k, v in meta["variant_descriptions"].items())]
     return "\n\n".join(parts) + "\n"
+
+
+def _cores_sentence(results, meta: dict[str, Any]) -> str:
+    busiest = max_cores_used(results)
+    pinned = meta.get("cpu_affinity")
+    where = f"The process ran on cores {pinned}. " if pinned else ""
+    return where + (f"Busiest cell: {busiest[0]:.2f} ({busiest[1]})." if busiest else "")
 
 
 def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
