@@ -24,10 +24,10 @@ TORCH_VERSION = TorchVersion(torch.__version__)
 MIN_TORCH, MAX_TORCH = "2.11", "2.15"
 
 
-# Dynamo traces Tensor.requires_grad_() inside a compiled function from 2.13 on;
-# 2.11 graph-breaks on it (seen on 2.11.0; 2.12 not checked), which also
-# affects torch.autograd.functional.jacobian/hessian.
-DYNAMO_TRACES_REQUIRES_GRAD_ = TORCH_VERSION >= "2.13"
+# Dynamo traces Tensor.requires_grad_() inside a compiled function from 2.12 on
+# (seen on 2.12.1 and 2.13.0); 2.11 graph-breaks on it (seen on 2.11.0), which
+# also affects torch.autograd.functional.jacobian/hessian.
+DYNAMO_TRACES_REQUIRES_GRAD_ = TORCH_VERSION >= "2.12"
 
 
 def torch_is_supported() -> bool:
@@ -338,7 +338,7 @@ def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[No
 
 @contextlib.contextmanager
 def dynamo_traces_requires_grad_of_intermediates() -> Iterator[None]:
-    """Torch < 2.13: Dynamo puts ``t.requires_grad_()`` of a tensor made inside
+    """Torch 2.11: Dynamo puts ``t.requires_grad_()`` of a tensor made inside
     the graph into the graph, as 2.13's ``TensorVariable.method_requires_grad_``
     does, instead of graph-breaking.  ``x.detach().requires_grad_()`` and
     ``functional.jacobian``'s own call are then traced, and the grads that use

@@ -17,7 +17,7 @@ and, only when the frame is being compiled for dynbatch, enters a scope that
 batching rules that keep B symbolic (NOTE [Symbolic batch rules] in
 batch_rules.py), and (4) routes Dynamo's fake-tensor run
 of each captured ``torch.autograd.grad`` node through ``trace_grad`` below,
-and (5) on torch < 2.13 traces ``requires_grad_()`` of in-graph tensors as
+and (5) on torch 2.11 traces ``requires_grad_()`` of in-graph tensors as
 2.13 does (``x.detach().requires_grad_()``; jacobian/hessian call it).
 All five are undone when that frame's compile ends, and each fails soft:
 where a torch release moved what it hooks, that piece is off (one warning,
@@ -85,7 +85,7 @@ def capture_scope():
         soft("the forward-mode Jacobian",
              lambda: _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
              else contextlib.nullcontext()),
-        soft("tracing requires_grad_() (torch < 2.13)", _compat.dynamo_traces_requires_grad_of_intermediates),
+        soft("tracing requires_grad_() (torch 2.11)", _compat.dynamo_traces_requires_grad_of_intermediates),
     ):
         yield
 

@@ -288,7 +288,7 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
 
 
 def _leaf(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
-    """Where Dynamo traces ``requires_grad_()`` (torch 2.13+), the program makes its own leaves
+    """Where Dynamo traces ``requires_grad_()`` (torch 2.12+), the program makes its own leaves
     from detached inputs and compiles as an inference graph; before, it takes leaves."""
     if not _compat.DYNAMO_TRACES_REQUIRES_GRAD_:
         return x

@@ -121,7 +121,7 @@ class Region:
                 _batched_backward_of(self.gm, self.is_input, receives))
         # Detached inputs that do not require grad make the batched backward an
         # inference graph (no second autograd layer around it) where Dynamo can
-        # trace requires_grad_() inside it (torch 2.13+).
+        # trace requires_grad_() inside it (torch 2.12+).
         leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
             lambda t: t.detach().requires_grad_())
         with torch.enable_grad():

@@ -134,3 +134,26 @@ def test_on_unsupported_error_raises_unsupported_graph_for_a_lowering_failure(mo
     dynbatch.reset()
     assert_same_grads(torch.compile(vjp, backend="dynbatch")(x, V), vjp(x, V))  # "fallback": eager's values
     assert dynbatch.counters()["fallbacks"] == 1
+
+
+def test_a_failing_fake_cuda_guard_workaround_is_off_and_compiles_work(monkeypatch):
+    """The thread workaround for FakeTensorMode's CUDA guard (``_compat``) calls a
+    private torch function; if it raises, only threads are at risk again."""
+    monkeypatch.setattr(_compat, "_FAKE_CUDA_GUARD_PINNED", False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def moved():
+        raise RuntimeError("moved")
+
+    monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", moved, raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compat.fake_cuda_guard_outlives_threads()
+    assert any("CUDA guard" in m for m in _hook_warnings(seen)), _hook_warnings(seen)
+    monkeypatch.undo()  # the real torch again for the compile
+    x, V = args()
+    got = torch.compile(vjp, backend="dynbatch", fullgraph=True,
+                        options={"dynbatch.inner_compiler": "aot_eager"})(x, V)
+    assert_same_grads(got, torch.autograd.grad(torch.tanh(x @ W), x, V, is_grads_batched=True))
+    assert dynbatch.counters()["graphs_batched"] == 1

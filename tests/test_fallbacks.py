@@ -350,7 +350,7 @@ VALUE_FALLBACKS = {
 }
 
 
-# Cases whose sizes are data-dependent on some torch versions only: torch 2.11's
+# Cases whose sizes are data-dependent on some torch versions only: torch 2.11's and 2.12's
 # fake _unique gives a one-element index a static size, so index_fill's value
 # grad batches there; 2.13's is unbacked, and dynbatch falls back.
 STATIC_ON_SOME_VERSIONS = {"index_fill_one_index"}

@@ -24,6 +24,7 @@ import torch.autograd.functional as AF
 
 import dynbatch
 from conftest import assert_same_grads, loop_grads
+from dynbatch._compat import TORCH_VERSION
 
 # "error": a graph dynbatch cannot batch raises here rather than passing through eager
 INDUCTOR = {"dynbatch.on_unsupported": "error"}
@@ -167,9 +168,14 @@ def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_rever
     energy = lambda t: (t.sin() ** 2).sum()  # noqa: E731
     hess = lambda t: AF.hessian(energy, t, vectorize=True, outer_jacobian_strategy="forward-mode")  # noqa: E731
     # Dynamo refuses requires_grad_() under torch.func.jvp (forward over reverse):
-    # a graph break, and the inner frames run as regions called with dual tensors.
+    # a graph break, and the inner frames run as regions called with dual tensors,
+    # which must take the eager path.  torch 2.14's Dynamo skips the whole frame
+    # instead ("graph break in a generator's next() call"): no region, all eager.
+    graphs_before = dynbatch.counters().get("graphs", 0)
     assert_same_grads(compiled(hess)(x64(4)), hess(x64(4)))
-    assert paths().get("eager_calls", 0) >= 1, paths()
+    regions = dynbatch.counters().get("graphs", 0) - graphs_before
+    if regions or TORCH_VERSION < "2.14":
+        assert paths().get("eager_calls", 0) >= 1, (paths(), dynbatch.counters())
 
 
 # --- the other patterns users write ---------------------------------------------------

@@ -1,6 +1,6 @@
-"""``x.detach().requires_grad_()`` inside a dynbatch compile on torch < 2.13.
+"""``x.detach().requires_grad_()`` inside a dynbatch compile on torch 2.11.
 
-Stock Dynamo before 2.13 graph-breaks on ``requires_grad_()``;
+Stock Dynamo 2.11 graph-breaks on ``requires_grad_()``;
 ``_compat.dynamo_traces_requires_grad_of_intermediates`` traces it as 2.13
 does, and the batching pass runs a graph eagerly where such a new leaf leaks
 as an output with requires_grad.  On 2.13 (CI) the backport is forced on, so
