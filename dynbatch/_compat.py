@@ -442,12 +442,13 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
 
 
 def register_backend(fn: Callable, name: str) -> None:
-    """``register_backend`` unless the entry point already loaded this backend
-    (registering a name twice raises)."""
+    """``register_backend`` unless ``name`` has a compiler already (the entry
+    point loaded it, or an earlier call): registering a name twice raises.
+    ``_COMPILER_FNS`` holds the loaded ones on 2.11-2.14; ``_BACKENDS`` may
+    hold the entry point itself (2.14) or None (2.13), so it cannot tell."""
     from torch._dynamo.backends import registry
 
-    backends = getattr(registry, "_BACKENDS", {})
-    if name not in backends or backends.get(name) is not None:
+    if name not in getattr(registry, "_COMPILER_FNS", {}):
         registry.register_backend(fn, name=name)
 
 

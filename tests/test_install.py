@@ -59,3 +59,14 @@ def test_capture_hook_survives_dynamo_reset():
 
 def test_version_is_supported():
     assert _compat.torch_is_supported(), torch.__version__
+
+
+def test_register_after_the_entry_point_loaded_is_a_no_op():
+    """torch 2.14 keeps the entry point in ``_BACKENDS`` after loading it; a second
+    registration of the name raised "duplicate name: dynbatch" there."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    loaded = lookup_backend("dynbatch")  # loads the entry point (or finds it loaded)
+    dynbatch.register()
+    dynbatch.register()
+    assert lookup_backend("dynbatch") is loaded
