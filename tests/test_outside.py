@@ -325,6 +325,6 @@ def test_first_inductor_compile_of_a_process_inside_legacy_vmap():
     assert done.returncode == 0, done.stderr[-3000:]
     graphs = int(done.stdout.split("graphs")[-1])
     if graphs == 0 and TORCH_VERSION >= "2.14":  # values were still checked, in the script
-        pytest.skip("torch 2.14's Dynamo skips this frame (graph break in a generator's next()): "
+        pytest.skip(reason="torch 2.14's Dynamo skips this frame (graph break in a generator's next()): "
                     "nothing compiles inside the vmap, so there is no first compile to test")
     assert graphs >= 1, done.stdout  # dynbatch compiled, not only eager

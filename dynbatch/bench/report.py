@@ -192,12 +192,13 @@ def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
 
 def cores_table(results, notes: Footnotes) -> str:
     """Process CPU time over wall time while each cell was timed (older runs: –)."""
+    def render(case, v):
+        cores = case["variants"][v].get("cores_used")
+        return "–" if cores is None else f"{cores:.2f}"
+
     cols = columns(results)
-    body = []
-    for problem, case in rows(results):
-        body.append([problem["problem"], case["label"]] + _case_cells(
-            problem, case, cols, notes, lambda c, v: f"{c['variants'][v].get('cores_used', float('nan')):.2f}"
-            if c["variants"][v].get("cores_used") is not None else "–"))
+    body = [[problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render)
+            for problem, case in rows(results)]
     return table(["problem", "case"] + cols, body)
 
 
