@@ -452,14 +452,6 @@ def register_backend(fn: Callable, name: str) -> None:
         registry.register_backend(fn, name=name)
 
 
-def unwrap_dynamo_compile() -> None:
-    import torch._dynamo.convert_frame as convert_frame
-
-    original = getattr(convert_frame._compile, "_dynbatch_original", None)
-    if original is not None:
-        convert_frame._compile = original
-
-
 def unwrap_backend(fn: Any) -> Any:
     """Peel Dynamo's and torch.compile's wrappers off a backend callable."""
     seen = set()
