@@ -664,6 +664,13 @@ def is_symbolic(size: Any) -> bool:
     return bool(getattr(size, "free_symbols", None))
 
 
+def real_tensors():
+    """A context where new tensors are real even inside a compile's FakeTensorMode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def custom_graph_pass_base() -> type:
     """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
     from torch._inductor.custom_graph_pass import CustomGraphPass

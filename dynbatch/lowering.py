@@ -70,9 +70,10 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     _compat.inductor_patterns_registered_outside_transforms(example_inputs)
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
-    # copies of the primal; compute them once (passes.SinkExpands), unless the
-    # user brought their own pass.
-    config_patches.setdefault("post_grad_custom_pre_pass", passes.SinkExpands())
+    # copies of the primal: compute them once (passes.sink_expands); tall CPU
+    # products take the kernel measured fastest (passes.route_matmuls); unless
+    # the user brought their own pass.
+    config_patches.setdefault("post_grad_custom_pre_pass", passes.PostGradPasses(options.cpu_matmul))
     return _compat.compile_fx(
         gm,
         example_inputs,

@@ -11,10 +11,12 @@ import re
 from typing import Any, Mapping
 
 from . import _compat
+from .matmul_kernels import CHOICES as CPU_MATMUL
 
 PREFIX = "dynbatch."
 INNER_COMPILERS = ("inductor", "aot_eager")
 ON_UNSUPPORTED = ("fallback", "error")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,10 @@ class Options:
     memory_budget: int | str | None = "auto"
     # Fixes the number of samples per chunk instead of deriving it from the budget.
     chunk_size: int | None = None
+    # The kernel of float32 CPU products mm(a, w.t()) (matmul_kernels.py): "aten"
+    # (Inductor's extern mm), "auto" (the faster of ATen's and oneDNN's, measured
+    # per shape; wins only on tall products, see docs/design.md), "onednn".
+    cpu_matmul: str = "aten"
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -55,6 +61,7 @@ class Options:
             )
         _check_choice("inner_compiler", ours.get("inner_compiler", "inductor"), INNER_COMPILERS)
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
+        _check_choice("cpu_matmul", ours.get("cpu_matmul", "aten"), CPU_MATMUL)
         if "record_graphs" in ours and not isinstance(ours["record_graphs"], bool):
             raise ValueError("dynbatch: option dynbatch.record_graphs takes a bool")
         if "memory_budget" in ours:

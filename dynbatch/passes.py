@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, matmul_kernels
 
 aten = torch.ops.aten
 
@@ -57,13 +57,66 @@ def sink_expands(graph: torch.fx.Graph) -> int:
     return changed
 
 
-class SinkExpands(_compat.custom_graph_pass_base()):
-    """``sink_expands`` as an Inductor ``post_grad_custom_pre_pass`` (uuid keys the FX cache)."""
+def _is_transpose(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and (
+        node.target is aten.t.default
+        or (node.target is aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])))
+
+
+def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
+    """mm(a, w.t()) -> dynbatch::linear_nt(a, w, kernel) for float32 CPU products whose
+    kernel is chosen by measurement (matmul_kernels.py, NOTE [CPU matmul kernels]).
+
+    A product whose sizes are all known is measured now and keeps ATen's ``mm``
+    unless oneDNN won; one with a symbolic size (M = B*N) is measured at run time
+    for each bucket of M, by the op.  ``kernel="aten"`` leaves the graph as it is.
+    """
+    if kernel == "aten" or not matmul_kernels.onednn_available():
+        return 0
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mm.default or not _is_transpose(node.args[1]):
+            continue
+        a, w = node.args[0], node.args[1].args[0]
+        if _is_transpose(w):  # a @ w: oneDNN would need w.t() copied
+            continue
+        vals = [getattr(x, "meta", {}).get("val") for x in (a, w, node)]
+        if any(not isinstance(v, torch.Tensor) for v in vals):
+            continue
+        a_val, w_val, out_val = vals
+        if any(v.device.type != "cpu" or v.dtype != torch.float32 or v.dim() != 2 for v in vals):
+            continue
+        sizes = (a_val.shape[0], a_val.shape[1], w_val.shape[0])
+        if not any(map(_compat.is_symbolic, sizes)):
+            if matmul_kernels.choice_for_static_shape(*map(int, sizes), torch.float32, kernel) != "onednn":
+                continue
+        with graph.inserting_before(node):
+            routed = graph.call_function(matmul_kernels.op(), (a, w, kernel))
+        routed.meta["val"] = out_val
+        node.replace_all_uses_with(routed)
+        graph.erase_node(node)
+        changed += 1
+    graph.eliminate_dead_code()
+    return changed
+
+
+class PostGradPasses(_compat.custom_graph_pass_base()):
+    """dynbatch's aten passes as an Inductor ``post_grad_custom_pre_pass``: sink_expands,
+    then route_matmuls (uuid keys the FX cache)."""
+
+    def __init__(self, cpu_matmul: str = "aten") -> None:
+        self.cpu_matmul = cpu_matmul
+        if cpu_matmul != "aten" and matmul_kernels.onednn_available():
+            # Registered now, not when the pass runs: a graph loaded from Inductor's
+            # FX cache calls the op without this pass having run in this process.
+            matmul_kernels.op()
+        self.counts: dict[str, int] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.count = sink_expands(graph)
+        self.counts = {"sink_expands": sink_expands(graph),
+                       "route_matmuls": route_matmuls(graph, self.cpu_matmul)}
 
     def uuid(self) -> str:
         # also keys lowering.py's choice of extern convolutions, which Inductor's
         # FX graph cache would not see otherwise
-        return "dynbatch-sink-expands-v2+extern-convolutions-v1"
+        return f"dynbatch-sink-expands-v2+extern-convolutions-v1+matmuls-v1-{self.cpu_matmul}"
