@@ -56,7 +56,11 @@ def test_every_workload_and_every_variant_per_case(quick_run):
                     assert cell["median_s"] > 0 and cell["first_call_s"] > 0 and cell["times_s"]
                     assert cell["iqr_s"] >= 0 and cell["peak_mem_bytes"] >= 0
                     assert cell["cores_used"] > 0, (problem["problem"], variant, cell)
+                    # in-process columns are timed together; stock_compile in its own process
+                    expected = "sequential" if variant == "stock_compile" else "interleaved"
+                    assert cell["timing"] == expected, (problem["problem"], variant, cell["timing"])
             assert case["floor"]["median_s"] > 0, (problem["problem"], case["label"])
+            assert case["floor"]["timing"] == "interleaved"
 
 
 def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):
@@ -235,6 +239,34 @@ def test_memory_guard_skips_what_does_not_fit():
     grown = dict(measured, peak_mem_bytes=available)
     assert "peak at" in runner.memory_guard("compiled_func", huge, cpu, [(small, grown)])
     assert runner.memory_guard("eager_batched", case, cpu, []) is None  # the real estimate fits
+
+
+def test_interleaved_times_rounds_every_column_and_reads_its_own_cores():
+    import time
+
+    from dynbatch.bench.measure import Budget, interleaved_times
+
+    seen = []
+
+    def spin():
+        seen.append("spin")
+        end = time.perf_counter() + 0.004
+        while time.perf_counter() < end:
+            pass
+
+    def sleep():
+        seen.append("sleep")
+        time.sleep(0.002)
+
+    timed = interleaved_times({"spin": spin, "sleep": sleep}, lambda: None,
+                              Budget(min_time_s=0.05, min_reps=6, max_reps=50))
+    assert len(timed["spin"]["times_s"]) == len(timed["sleep"]["times_s"]) >= 6
+    # every round calls each column once: the calls alternate in pairs
+    rounds = [sorted(seen[i:i + 2]) for i in range(0, len(seen), 2)]
+    assert all(r == ["sleep", "spin"] for r in rounds), seen
+    assert min(timed["spin"]["times_s"]) >= 0.004 and min(timed["sleep"]["times_s"]) >= 0.002
+    # each column's CPU time is its own: the spinner near one core, the sleeper near none
+    assert timed["spin"]["cores_used"] > 0.5 and timed["sleep"]["cores_used"] < 0.5
 
 
 def test_cores_used_reads_one_busy_thread_as_about_one_core():

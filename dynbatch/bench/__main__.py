@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-time", type=float, default=None,
                         help="seconds of steady-state timing per cell, at least 5 calls "
                              "(default 0.5; --quick: 0.02 and 3 calls)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="time each column alone as it runs, not a case's columns interleaved after all ran once")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return parser.parse_args(argv)
 
@@ -109,6 +111,7 @@ def settings_from(args: argparse.Namespace) -> runner.Settings:
         threads=args.threads,
         stock_workloads=stock_workloads,
         overlap_stock_start=args.quick,
+        interleave=not args.sequential,
     )
 
 

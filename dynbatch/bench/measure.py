@@ -4,6 +4,12 @@ Timing is a plain loop with ``time.perf_counter`` and a device synchronise
 after every call (so a CUDA number is the latency the caller sees), one
 warm-up call after the first, then as many calls as the budget allows; the
 cell keeps every raw time so the report can show median and IQR.
+
+The columns of one case are timed interleaved (``interleaved_times``): each
+round calls every column once, in a shuffled order.  A shared machine's speed
+drifts by more than the gaps being measured (identical programs timed minutes
+apart differed by up to 1.35x); interleaved, a drift slows every column alike
+and the ratios between columns hold.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import re
 import resource
 import statistics
@@ -68,6 +75,33 @@ def steady_times(fn: Callable[[], Any], sync: Callable[[], None], budget: Budget
         if spent >= budget.max_time_s and len(times) >= 3:
             break
     return times
+
+
+def interleaved_times(calls: dict[str, Callable[[], Any]], sync: Callable[[], None], budget: Budget,
+                      seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Seconds per call of every column, in rounds that call each column once
+    (shuffled), after one warm-up round; and each column's cores_used over its
+    own calls.  The budget's times apply per column."""
+    order, rng = list(calls), random.Random(seed)
+    for name in order:
+        calls[name]()
+        sync()
+    times: dict[str, list[float]] = {name: [] for name in order}
+    cpu = dict.fromkeys(order, 0.0)
+    began = time.perf_counter()
+    while len(times[order[0]]) < budget.max_reps:
+        rng.shuffle(order)
+        for name in order:
+            cpu_start, start = time.process_time(), time.perf_counter()
+            calls[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+            cpu[name] += time.process_time() - cpu_start
+        spent, reps = (time.perf_counter() - began) / len(order), len(times[order[0]])
+        if (spent >= budget.min_time_s and reps >= budget.min_reps) or (spent >= budget.max_time_s and reps >= 3):
+            break
+    return {name: {"times_s": t, "cores_used": cpu[name] / sum(t) if sum(t) > 0 else float("nan")}
+            for name, t in times.items()}
 
 
 def cores_used(cpu_before: float, wall_before: float) -> float:
@@ -224,16 +258,23 @@ def measure_cell(
     to_torch: Callable[[Any], torch.Tensor],
     reference: torch.Tensor | None,
     torch_tensors: bool = True,
+    steady: bool = True,
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """Every figure of one (column, case) cell; returns it and the result (as torch)."""
+    """Every figure of one (column, case) cell; returns it and the result (as torch).
+
+    ``steady=False`` leaves the steady-state times to ``interleaved_times``."""
     sync = synchronizer(device)
     result, first = first_call(fn, sync)
     result = to_torch(result)
-    cpu_before, wall_before = time.process_time(), time.perf_counter()
-    times = steady_times(fn, sync, budget)
-    cores = cores_used(cpu_before, wall_before)
-    cell: dict[str, Any] = {"status": "ok", "first_call_s": first, **summarize(times), "times_s": times,
-                            "cores_used": cores}
+    cell: dict[str, Any] = {"status": "ok", "first_call_s": first}
+    if steady:
+        cpu_before, wall_before = time.process_time(), time.perf_counter()
+        times = steady_times(fn, sync, budget)
+        cell.update(summarize(times), times_s=times, cores_used=cores_used(cpu_before, wall_before),
+                    timing="sequential")
+    else:
+        fn()  # the warm-up call steady_times would make
+        sync()
     cell["peak_mem_bytes"], cell["mem_method"] = peak_memory(fn, sync, device, torch_tensors)
     cell["max_abs_err"] = max_abs_error(result, reference) if reference is not None else None
     return cell, result

@@ -20,6 +20,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -48,6 +49,9 @@ class Settings:
     # Start the stock worker in the background (its import then overlaps the first timings).
     overlap_stock_start: bool = False
     atoms: tuple[int, ...] | None = None  # replaces the tier's atom counts of workloads.ATOM_WORKLOADS
+    # Time a case's in-process columns and its floor interleaved, after every column's
+    # first call (measure.interleaved_times); False: each column alone, as it runs.
+    interleave: bool = True
 
 
 def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
@@ -99,9 +103,11 @@ def _run_problem(problem, index: int, settings: Settings, stock_column, bar, pre
     out = {"workload": problem.workload, "problem": problem.name, "description": problem.description,
            "chunk": problem.chunk, "cases": cases, "graphs": {}, "notes": {}}
 
+    # case -> column -> its call, kept for the interleaved timing after all columns ran once
+    calls: list[dict[str, Callable[[], Any]]] = [{} for _ in cases]
     bar.set_description(f"{prefix}: floor")
-    for case, record in zip(problem.cases, cases):
-        record["floor"] = _time_floor(case.floor, device, settings.budget)
+    for case, record, case_calls in zip(problem.cases, cases, calls):
+        record["floor"] = _time_floor(case.floor, device, settings.budget, case_calls if settings.interleave else None)
         bar.update(1)
 
     references: list[torch.Tensor | None] = [None] * len(cases)
@@ -110,11 +116,39 @@ def _run_problem(problem, index: int, settings: Settings, stock_column, bar, pre
         if variant == "stock_compile":
             _run_stock(problem, index, settings, stock_column, references, out, bar)
             continue
-        _run_column(variant, problem, settings, references, out, bar)
+        _run_column(variant, problem, settings, references, out, bar, calls)
+    if settings.interleave:
+        bar.set_description(f"{prefix}: interleaved timing")
+        for record, case_calls in zip(cases, calls):
+            _time_interleaved(record, case_calls, settings)
     return out
 
 
-def _run_column(variant, problem, settings: Settings, references, out, bar) -> None:
+def _time_interleaved(record: dict[str, Any], case_calls: dict[str, Callable[[], Any]], settings: Settings) -> None:
+    """Steady-state times of one case's columns and floor, in shuffled rounds; a case
+    whose interleaved rounds fail times each column alone, as ``interleave=False`` would."""
+    sync = measure.synchronizer(settings.device)
+    try:
+        timed = measure.interleaved_times(case_calls, sync, settings.budget)
+        how = "interleaved"
+    except Exception:  # noqa: BLE001 - a column that fails on repeated calls: time the rest alone
+        timed, how = {}, "sequential"
+        for name, call in case_calls.items():
+            try:
+                cpu, wall = time.process_time(), time.perf_counter()
+                times = measure.steady_times(call, sync, settings.budget)
+                timed[name] = {"times_s": times, "cores_used": measure.cores_used(cpu, wall)}
+            except Exception as e:  # noqa: BLE001
+                timed[name] = {"error": f"crashed: {measure.short_error(e)}"}
+    for name, figures in timed.items():
+        cell = record["floor"] if name == FLOOR else record["variants"][name]
+        if "error" in figures:
+            cell["status"] = figures["error"]
+            continue
+        cell.update(measure.summarize(figures["times_s"]), **figures, timing=how)
+
+
+def _run_column(variant, problem, settings: Settings, references, out, bar, calls) -> None:
     """One in-process column over all cases of a problem."""
     # Each compiled column starts from empty Inductor caches: dynbatch and
     # compiled_func often generate identical kernels, and the second would
@@ -122,10 +156,12 @@ def _run_column(variant, problem, settings: Settings, references, out, bar) -> N
     fresh = settings.cold_compile_cache and variant in (
         "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside")
     with _fresh_inductor_cache() if fresh else contextlib.nullcontext():
-        _run_column_cases(variant, problem, settings, references, out, bar)
+        _run_column_cases(variant, problem, settings, references, out, bar, calls)
 
 
-def _run_column_cases(variant, problem, settings: Settings, references, out, bar) -> None:
+def _run_column_cases(variant, problem, settings: Settings, references, out, bar, calls) -> None:
+    """First call, memory and error of every case; the steady times too unless interleaved
+    (then each case's call is left in ``calls`` for _time_interleaved)."""
     device, cases = settings.device, out["cases"]
     before = dynbatch.counters()
     try:
@@ -143,9 +179,10 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
             bar.update(1)
             continue
         args, result = runner.prepare(case), None
+        call = functools.partial(runner.call, *args)
         try:
-            cell, result = measure.measure_cell(functools.partial(runner.call, *args), device, settings.budget,
-                                                runner.to_torch, references[i], runner.torch_tensors)
+            cell, result = measure.measure_cell(call, device, settings.budget, runner.to_torch, references[i],
+                                                runner.torch_tensors, steady=not settings.interleave)
             if variant == variants.TRUTH:
                 references[i], cell["max_abs_err"] = result, 0.0
                 # The scale errors are read against: float32 error grows with it.
@@ -153,8 +190,10 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
         except Exception as e:  # noqa: BLE001 - a crashing column is a result, not a reason to stop
             cell = {"status": f"crashed: {measure.short_error(e)}"}
         record["variants"][variant] = cell
+        if settings.interleave and cell["status"] == "ok":
+            calls[i][variant] = call
         earlier.append((case, cell))
-        del args, result
+        del args, result, call
         bar.update(1)
     out["graphs"][variant] = runner.compiles()
     if runner.note:
@@ -246,9 +285,17 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2 ** 30:.3g} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.3g} MiB"
 
 
-def _time_floor(floor, device: torch.device, budget: measure.Budget) -> dict[str, Any]:
+FLOOR = "floor"  # the floor's key among a case's interleaved calls
+
+
+def _time_floor(floor, device: torch.device, budget: measure.Budget,
+                interleaved: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
+    """The floor's times now, or its call left in ``interleaved`` to be timed with the columns."""
     try:
         thunk = floor.make(device)
+        if interleaved is not None:
+            interleaved[FLOOR] = thunk
+            return {"what": floor.what}
         times = measure.steady_times(thunk, measure.synchronizer(device), budget)
         return {"what": floor.what, **measure.summarize(times), "times_s": times}
     except Exception as e:  # noqa: BLE001
@@ -344,6 +391,7 @@ def _meta(settings: Settings) -> dict[str, Any]:
         # Other processes share the cores: the 1-minute load average says how much.
         "loadavg_at_start": _loadavg(),
         "cold_compile_cache": settings.cold_compile_cache,
+        "timing": "interleaved" if settings.interleave else "sequential",
         "dtype": "float32 (TF32 off on CUDA)",
         "memory_method": measure.memory_method(device),
         "variant_descriptions": dict(variants.DESCRIPTIONS),
