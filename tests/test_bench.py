@@ -56,11 +56,13 @@ def test_every_workload_and_every_variant_per_case(quick_run):
                     assert cell["median_s"] > 0 and cell["first_call_s"] > 0 and cell["times_s"]
                     assert cell["iqr_s"] >= 0 and cell["peak_mem_bytes"] >= 0
                     assert cell["cores_used"] > 0, (problem["problem"], variant, cell)
-                    # in-process columns are timed together; stock_compile in its own process
-                    expected = "sequential" if variant == "stock_compile" else "interleaved"
-                    assert cell["timing"] == expected, (problem["problem"], variant, cell["timing"])
+                    # every column timed in the same rounds, stock_compile's in its own process
+                    assert cell["timing"] == "interleaved", (problem["problem"], variant, cell["timing"])
             assert case["floor"]["median_s"] > 0, (problem["problem"], case["label"])
             assert case["floor"]["timing"] == "interleaved"
+    # the stock column's first batch size compiles and runs (later ones crash): timed over the pipe
+    stock = [case["variants"]["stock_compile"] for problem in results["problems"] for case in problem["cases"]]
+    assert any(cell["status"] == "ok" for cell in stock), [cell["status"] for cell in stock]
 
 
 def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):

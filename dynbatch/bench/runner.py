@@ -114,13 +114,17 @@ def _run_problem(problem, index: int, settings: Settings, stock_column, bar, pre
     for variant in [v for v in variants.VARIANTS if v in settings.variants]:
         bar.set_description(f"{prefix}: {variant}")
         if variant == "stock_compile":
-            _run_stock(problem, index, settings, stock_column, references, out, bar)
+            _run_stock(problem, index, settings, stock_column, references, out, bar, calls)
             continue
         _run_column(variant, problem, settings, references, out, bar, calls)
     if settings.interleave:
         bar.set_description(f"{prefix}: interleaved timing")
-        for record, case_calls in zip(cases, calls):
-            _time_interleaved(record, case_calls, settings)
+        try:
+            for record, case_calls in zip(cases, calls):
+                _time_interleaved(record, case_calls, settings)
+        finally:
+            if stock_column is not None:
+                stock_column.end_timing()
     return out
 
 
@@ -204,7 +208,7 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
     _free_memory(device, _is_big(problem))
 
 
-def _run_stock(problem, index: int, settings: Settings, stock_column, references, out, bar) -> None:
+def _run_stock(problem, index: int, settings: Settings, stock_column, references, out, bar, calls) -> None:
     if settings.stock_workloads is not None and problem.workload not in settings.stock_workloads:
         for record in out["cases"]:
             record["variants"]["stock_compile"] = {
@@ -217,10 +221,13 @@ def _run_stock(problem, index: int, settings: Settings, stock_column, references
         references=tuple(None if r is None else r.detach().cpu().numpy() for r in references),
         atoms=settings.atoms,
         skips=tuple(memory_guard("stock_compile", case, settings.device, []) for case in problem.cases),
+        interleave=settings.interleave,
     )
     cells, graphs = stock_column.run(task, len(out["cases"]), on_case=lambda: bar.update(1))
-    for record, cell in zip(out["cases"], cells):
+    for i, (record, cell) in enumerate(zip(out["cases"], cells)):
         record["variants"]["stock_compile"] = cell
+        if settings.interleave and cell["status"] == "ok":
+            calls[i]["stock_compile"] = functools.partial(stock_column.time_call, i)
     out["graphs"]["stock_compile"] = graphs
 
 

@@ -8,6 +8,12 @@ lets a hung compile be killed.  The worker is reused across problems (one
 torch import per run) with ``torch._dynamo.reset()`` before each problem; a
 timeout kills it and the next problem starts a new one.  Crashes and
 timeouts are recorded as the cell's status, never hidden.
+
+With ``Task.interleave`` the worker keeps each case's call after its first
+call and, once the cases are done, answers "time case i" requests: the parent
+times this column in the same shuffled rounds as its in-process columns
+(runner._time_interleaved), while it waits on the pipe.  The worker times its
+own call, so the pipe's round trip is not in the figure.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import multiprocessing
+import time
 import warnings
 from typing import Any, Callable
 
@@ -36,6 +43,7 @@ class Task:
     references: tuple[Any, ...]  # numpy arrays (or None): eager_loop's result per case
     atoms: tuple[int, ...] | None = None  # workloads.build's atoms
     skips: tuple[str | None, ...] = ()  # per case: why not to run it (the parent's memory guard), or None
+    interleave: bool = False  # leave steady-state timing to the parent's interleaved rounds
 
 
 def worker(conn, threads: int | None = None) -> None:
@@ -71,18 +79,39 @@ def _run(conn, task: Task) -> None:
         conn.send(("done", None))
         return
     skips = task.skips or (None,) * len(task.references)
-    for case, ref, skip in zip(problem.cases, task.references, skips):
+    calls: dict[int, Callable[[], Any]] = {}
+    for i, (case, ref, skip) in enumerate(zip(problem.cases, task.references, skips)):
         if skip:
             conn.send(("case", {"status": f"skipped: {skip}"}))
             continue
-        args = runner.prepare(case)
+        call = functools.partial(runner.call, *runner.prepare(case))
         try:
-            cell, _ = measure.measure_cell(functools.partial(runner.call, *args), device, task.budget, runner.to_torch,
-                                           None if ref is None else torch.from_numpy(ref).to(device))
+            cell, _ = measure.measure_cell(call, device, task.budget, runner.to_torch,
+                                           None if ref is None else torch.from_numpy(ref).to(device),
+                                           steady=not task.interleave)
+            if task.interleave:
+                calls[i] = call
         except Exception as e:  # noqa: BLE001 - the crash is the finding
             cell = {"status": f"crashed: {measure.short_error(e)}"}
         conn.send(("case", cell))
     conn.send(("done", runner.compiles()))
+    if task.interleave:
+        _answer_timing_requests(conn, calls, measure.synchronizer(device))
+
+
+def _answer_timing_requests(conn, calls: dict[int, Callable[[], Any]], sync: Callable[[], None]) -> None:
+    """("time", i): run case i's call once and send its (seconds, CPU seconds); ("end", None): done."""
+    while True:
+        kind, i = conn.recv()
+        if kind == "end":
+            return
+        try:
+            cpu, start = time.process_time(), time.perf_counter()
+            calls[i]()
+            sync()
+            conn.send(("timed", measure.SelfTimed(time.perf_counter() - start, time.process_time() - cpu)))
+        except Exception as e:  # noqa: BLE001 - the parent records it as the cell's status
+            conn.send(("timed", f"crashed: {measure.short_error(e)}"))
 
 
 class StockColumn:
@@ -95,6 +124,7 @@ class StockColumn:
         self._ctx = multiprocessing.get_context("spawn")
         self._proc = None
         self._conn = None
+        self._timing = False  # the worker answers timing requests until end_timing()
 
     def start(self, wait: bool = True) -> None:
         """Start the worker; with ``wait``, also wait for its torch import (so it overlaps nothing timed)."""
@@ -115,7 +145,9 @@ class StockColumn:
     def run(self, task: Task, n_cases: int, on_case: Callable[[], None] = lambda: None):
         """Cells for each case, and graphs compiled (None if the worker died)."""
         self.start()
+        self.end_timing()
         self._conn.send(task)
+        self._timing = task.interleave
         cells: list[dict[str, Any]] = []
         while len(cells) < n_cases:
             message = self._receive()
@@ -129,6 +161,20 @@ class StockColumn:
             on_case()
         message = self._receive()
         return cells, (None if isinstance(message, str) else message[1])
+
+    def time_call(self, case_index: int) -> "measure.SelfTimed":
+        """One timed call of a case the last ``run(task)`` (with ``interleave``) kept."""
+        self._conn.send(("time", case_index))
+        message = self._receive()
+        if isinstance(message, str) or isinstance(message[1], str):
+            raise RuntimeError(message if isinstance(message, str) else message[1])
+        return message[1]
+
+    def end_timing(self) -> None:
+        """Let the worker drop the calls it kept (and take the next task)."""
+        if self._timing and self._conn is not None:
+            self._conn.send(("end", None))
+        self._timing = False
 
     def _receive(self):
         if not self._conn.poll(self.timeout_s):
@@ -145,6 +191,7 @@ class StockColumn:
         if self._proc is None:
             return
         try:
+            self.end_timing()
             self._conn.send(None)
             self._proc.join(timeout=10)
         except (BrokenPipeError, OSError):
@@ -158,3 +205,4 @@ class StockColumn:
         if self._conn is not None:
             self._conn.close()
         self._proc = self._conn = None
+        self._timing = False
