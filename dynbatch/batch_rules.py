@@ -190,6 +190,28 @@ def roll(self: torch.Tensor, shifts, dims=()) -> torch.Tensor:
     return _compat.rewrap_batched(out, 0, level)
 
 
+def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    """a @ g[b] for every sample, with only the right operand batched: a linear
+    layer's weight grad x.T @ g, attention's p.T @ g.  functorch's rule hands it to
+    ATen's matmul, which computes it transposed, (g.mT @ a.T).T as one tall mm, and
+    copies g transposed in and the result transposed out.  One bmm over a stride-0
+    ``a`` needs neither copy (and is what torch.func's traced matmul gives).  The
+    other cases are functorch's: a batched left operand folds B into its rows (one
+    mm), both batched is a bmm."""
+    level = _compat.current_vmap_level()
+    (a, a_bdim), (g, g_bdim) = (_compat.unwrap_at(t, level) for t in (self, mat2))
+    with _compat.below_vmap():
+        if a_bdim is None and g_bdim is None:
+            return torch.ops.aten.mm.default(a, g)
+        if g_bdim is None:
+            out = torch.matmul(_to_front(a, a_bdim), g)
+        else:
+            g = _to_front(g, g_bdim)
+            a = _to_front(a, a_bdim) if a_bdim is not None else a.expand(g.shape[0], *a.shape)
+            out = torch.bmm(a, g)
+    return _compat.rewrap_batched(out, 0, level)
+
+
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """functorch's rule (JAX's) reads B as an int; the double backward of a
     convolution calls it with batched operands.  A batched input alone is
@@ -549,6 +571,7 @@ def all_rules() -> dict:
         "gelu_backward": gelu_backward,
         "_cdist_backward": cdist_backward,
         "roll": roll,
+        "mm": mm,
         "convolution": convolution,
         "convolution_backward": convolution_backward,
         "native_layer_norm_backward": native_layer_norm_backward,

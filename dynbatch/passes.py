@@ -22,29 +22,57 @@ def _is_pointwise(node: torch.fx.Node) -> bool:
     )
 
 
+def _expanded(node: torch.fx.Node) -> tuple[torch.fx.Node, list] | None:
+    """(a, S) for ``expand(a, S)``."""
+    if node.op == "call_function" and node.target is aten.expand.default:
+        return node.args[0], list(node.args[1])
+    return None
+
+
+def _broadcast_sizes(sizes: list[list]) -> list | None:
+    """The size of the broadcast of expand sizes (ints, or nodes for symbolic sizes), right-aligned
+    like broadcasting; None where two disagree and neither is a literal 1 (or one is -1)."""
+    out = []
+    for i in range(1, max(map(len, sizes)) + 1):
+        entries = [s[-i] for s in sizes if len(s) >= i]
+        if any(isinstance(e, int) and e == -1 for e in entries):
+            if len(set(map(id, entries))) > 1:
+                return None
+        real = [e for e in entries if not (isinstance(e, int) and e == 1)]
+        if any(e is not real[0] and e != real[0] for e in real[1:]):
+            return None
+        out.append(real[0] if real else 1)
+    return out[::-1]
+
+
 def sink_expands(graph: torch.fx.Graph) -> int:
-    """op(expand(a, S), expand(b, S), scalars) -> expand(op(a, b, scalars), S), to a fixed point.
+    """op(expand(a, S1), expand(b, S2), scalars) -> expand(op(a, b, scalars), broadcast(S1, S2)),
+    to a fixed point.
 
     After vmap, the derivative factor of an elementwise op (gelu'(x), tanh'(y), ...) is computed
     on x.expand(B, ...): B times the transcendental work for a value that does not depend on B.
+    Broadcasting composes, so any pointwise op whose tensor operands are all expanded may run
+    on the unexpanded ones and be expanded after: layer_norm's x_hat = (x - mean) * rstd
+    arrives as expand(x, [B, N, D]), expand(mean, [B, N, 1]), expand(rstd, [B, N, 1])
+    (each under a ``clone``, itself pointwise, which its batching rule's ``.contiguous()`` adds).
     """
     changed = 0
     for node in list(graph.nodes):
-        if not _is_pointwise(node):
+        if not _is_pointwise(node) or any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
             continue
         tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        if not tensors or any(a.target is not aten.expand.default for a in tensors):
+        sources = [_expanded(a) for a in tensors]
+        if not tensors or any(src is None for src in sources):
             continue
-        sizes = {tuple(a.args[1]) for a in tensors}
-        if len(sizes) != 1:
+        size = _broadcast_sizes([s for _, s in sources])
+        if size is None:
             continue
-        (size,) = sizes
-        swap = {a: a.args[0] for a in tensors}
+        swap = {a: src for a, (src, _) in zip(tensors, sources)}
         new_args = tuple(swap.get(a, a) if isinstance(a, torch.fx.Node) else a for a in node.args)
         val = node.meta.get("val")
         with graph.inserting_before(node):
             inner = graph.call_function(node.target, new_args, dict(node.kwargs))
-            out = graph.call_function(aten.expand.default, (inner, list(size)))
+            out = graph.call_function(aten.expand.default, (inner, size))
         if val is not None:
             with val.fake_mode:
                 inner.meta["val"] = node.target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a
@@ -119,4 +147,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
     def uuid(self) -> str:
         # also keys lowering.py's choice of extern convolutions, which Inductor's
         # FX graph cache would not see otherwise
-        return f"dynbatch-sink-expands-v2+extern-convolutions-v1+matmuls-v1-{self.cpu_matmul}"
+        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v1-{self.cpu_matmul}"

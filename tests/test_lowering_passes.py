@@ -40,6 +40,35 @@ def test_sink_expands_computes_pointwise_once_and_keeps_values():
     torch.testing.assert_close(after(a, b), expected)
 
 
+def test_sink_expands_broadcasts_expands_of_different_sizes_and_skips_contiguous_copies():
+    """layer_norm's backward under vmap: (clone(expand(x)) - clone(expand(mean))) * expand(rstd)."""
+    g = torch.fx.Graph()
+    x, mean, rstd = g.placeholder("x"), g.placeholder("mean"), g.placeholder("rstd")
+    ex = g.call_function(aten.clone.default, (g.call_function(aten.expand.default, (x, [3, 4, 5])),),
+                         {"memory_format": torch.contiguous_format})
+    em = g.call_function(aten.clone.default, (g.call_function(aten.expand.default, (mean, [3, 4, 1])),))
+    er = g.call_function(aten.expand.default, (rstd, [3, 4, 1]))
+    out = g.call_function(aten.mul.Tensor, (g.call_function(aten.sub.Tensor, (ex, em)), er))
+    g.output(out)
+    before = torch.fx.GraphModule(torch.nn.Module(), g)
+    args = torch.randn(4, 5), torch.randn(4, 1), torch.randn(4, 1)
+    expected = before(*args)
+    assert sink_expands(g) == 4  # both clones, the sub and the mul
+    after = torch.fx.GraphModule(torch.nn.Module(), g)
+    (expand,) = [n for n in g.nodes if n.target is aten.expand.default]  # one, of the result
+    assert [u.op for u in expand.users] == ["output"] and expand.args[1] == [3, 4, 5]
+    torch.testing.assert_close(after(*args), expected)
+
+
+def test_sink_expands_keeps_ops_whose_expands_disagree():
+    g = torch.fx.Graph()
+    a, b, n = g.placeholder("a"), g.placeholder("b"), g.placeholder("n")
+    ea = g.call_function(aten.expand.default, (a, [n, 4]))
+    eb = g.call_function(aten.expand.default, (b, [3, 4]))  # n is not known to be 3
+    g.output(g.call_function(aten.add.Tensor, (ea, eb)))
+    assert sink_expands(g) == 0
+
+
 def test_sink_expands_leaves_random_ops_alone():
     g = _graph(aten.bernoulli.p, random=True)
     node = [n for n in g.nodes if n.target is aten.bernoulli.p][0]
@@ -77,6 +106,26 @@ def test_batched_grad_through_a_slice_outside_dynbatch_compiles():
 
 def _has_batched_kernel(op: torch._ops.OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
+
+
+def test_mm_with_only_the_right_operand_batched_is_one_bmm_without_copies():
+    """a.T @ g[b] (attention's p.T @ g): functorch's rule computed it transposed, with a
+    transposed copy of g in and of the result out; batch_rules.mm makes it a bmm."""
+    a = torch.randn(6, 6)
+
+    def f(x, w, V):
+        y = a @ torch.tanh(x @ w)  # grad of x: a.T @ g (right batched); of w: x.T @ g'
+        return torch.autograd.grad(y, (x, w), V, is_grads_batched=True)
+
+    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
+                             options={"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"})
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    for B in (2, 3, 7):
+        V = torch.randn(B, 6, 5)
+        assert_same_grads(compiled(x, w, V), loop_grads(a @ torch.tanh(x @ w), (x, w), V), msg=f"B={B}")
+    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+    graph = dynbatch.compile_records()[-1].aten_graphs[-1]
+    assert "aten.bmm" in graph and "aten.clone" not in graph, graph
 
 
 def test_overrides_are_scoped_to_dynbatch_compiles():
