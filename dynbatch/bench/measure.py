@@ -6,10 +6,12 @@ warm-up call after the first, then as many calls as the budget allows; the
 cell keeps every raw time so the report can show median and IQR.
 
 The columns of one case are timed interleaved (``interleaved_times``): each
-round calls every column once, in a shuffled order.  A shared machine's speed
-drifts by more than the gaps being measured (identical programs timed minutes
-apart differed by up to 1.35x); interleaved, a drift slows every column alike
-and the ratios between columns hold.
+round runs every column, in a shuffled order, for a short block of warm
+consecutive calls.  A shared machine's speed drifts by more than the gaps
+being measured (identical programs timed minutes apart differed by up to
+1.35x); interleaved, a drift slows every column alike and the ratios between
+columns hold.  Blocks, not single calls: a call right after another column's
+finds its caches (and XLA's thread pool) cold, which is not the steady state.
 """
 
 from __future__ import annotations
@@ -89,33 +91,46 @@ class SelfTimed:
 
 
 def interleaved_times(calls: dict[str, Callable[[], Any]], sync: Callable[[], None], budget: Budget,
-                      seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Seconds per call of every column, in rounds that call each column once
-    (shuffled), after one warm-up round; and each column's cores_used over its
-    own calls.  The budget's times apply per column.  A call that returns a
-    ``SelfTimed`` reports its own time (it ran in another process)."""
+                      seed: int = 0, block_s: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Seconds per call of every column, timed in rounds: each round runs every
+    column (shuffled) for a block of about ``block_s`` of consecutive calls, after
+    one untimed call that warms the caches the other columns used (a column
+    slower than a block gets one timed call and no warm-up).  So the calls are
+    warm, as in a loop, and a drifting machine still slows every column alike.
+    Also each column's cores_used over its own timed calls.  The budget's limits
+    apply per column.  A call that returns a ``SelfTimed`` reports its own time
+    (it ran in another process)."""
     order, rng = list(calls), random.Random(seed)
-    for name in order:
-        calls[name]()
-        sync()
     times: dict[str, list[float]] = {name: [] for name in order}
     cpu = dict.fromkeys(order, 0.0)
-    began = time.perf_counter()
-    while len(times[order[0]]) < budget.max_reps:
+
+    def timed(name: str) -> float:
+        cpu_start, start = time.process_time(), time.perf_counter()
+        result = calls[name]()
+        sync()
+        if isinstance(result, SelfTimed):
+            cpu[name] += result.cpu_seconds
+            return result.seconds
+        cpu[name] += time.process_time() - cpu_start
+        return time.perf_counter() - start
+
+    first = {name: timed(name) for name in order}  # the warm-up call, which also sizes the blocks
+    cpu = dict.fromkeys(order, 0.0)
+    block = {name: max(1, int(block_s / max(first[name], 1e-9))) for name in order}
+
+    def done(name: str) -> bool:
+        reps, spent = len(times[name]), sum(times[name])
+        return (reps >= budget.max_reps or (spent >= budget.min_time_s and reps >= budget.min_reps)
+                or (spent >= budget.max_time_s and reps >= 3))
+
+    while not all(map(done, order)):
         rng.shuffle(order)
         for name in order:
-            cpu_start, start = time.process_time(), time.perf_counter()
-            result = calls[name]()
-            sync()
-            if isinstance(result, SelfTimed):
-                times[name].append(result.seconds)
-                cpu[name] += result.cpu_seconds
-            else:
-                times[name].append(time.perf_counter() - start)
-                cpu[name] += time.process_time() - cpu_start
-        spent, reps = (time.perf_counter() - began) / len(order), len(times[order[0]])
-        if (spent >= budget.min_time_s and reps >= budget.min_reps) or (spent >= budget.max_time_s and reps >= 3):
-            break
+            if block[name] > 1:
+                calls[name]()  # untimed: the other columns' calls ran since this one's last
+                sync()
+            for _ in range(min(block[name], max(1, budget.max_reps - len(times[name])))):
+                times[name].append(timed(name))
     return {name: {"times_s": t, "cores_used": cpu[name] / sum(t) if sum(t) > 0 else float("nan")}
             for name, t in times.items()}
 
