@@ -274,6 +274,25 @@ def test_interleaved_times_runs_warm_blocks_in_rounds_and_reads_each_columns_cor
     assert timed["spin"]["cores_used"] > 0.5 and timed["sleep"]["cores_used"] < 0.5
 
 
+def test_versus_best_other_is_the_geometric_mean_of_per_case_ratios():
+    from dynbatch.bench import report
+
+    def case(label, **ms):
+        return {"label": label, "variants": {k: {"status": "ok", "median_s": v / 1e3} for k, v in ms.items()}}
+
+    results = {"meta": {}, "problems": [{"problem": "p", "cases": [
+        case("a", dynbatch=2.0, jax=1.0, compiled_func=4.0, dynbatch_budget=0.1),  # x2 (jax); budget is ours
+        case("b", dynbatch=1.0, jax=8.0, compiled_func=2.0),  # x0.5 (compiled_func)
+        case("c", eager_loop=1.0),  # dynbatch did not run: not counted
+    ]}]}
+    v = report.versus_best_other(results)
+    assert v["cases"] == 2 and abs(v["geomean"] - 1.0) < 1e-12
+    assert v["above_1_1"] == [("p a", 2.0, "jax")]
+    torch_only = report.versus_best_other(results, exclude=("jax",))
+    assert abs(torch_only["geomean"] - (0.5 * 0.5) ** 0.5) < 1e-12 and torch_only["above_1_1"] == []
+    assert "×1.00 over 2 cases; 1 above ×1.1: p a ×2.00 (jax)" in report.versus_sentence(results)
+
+
 def test_cores_used_reads_one_busy_thread_as_about_one_core():
     import time
 

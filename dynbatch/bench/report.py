@@ -136,6 +136,33 @@ def summary_table(results) -> str:
                   "/ best torch column", "/ floor"], body)
 
 
+def versus_best_other(results, exclude: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """dynbatch's time over the best other column's, per case where both ran: the
+    geometric mean, and the cases above 1.1 (issue 12's bars), or None."""
+    found = []
+    for problem, case in rows(results):
+        ours = figure(case, OURS, "median_s")
+        other, value = best_other(case, "median_s", exclude=exclude)
+        if ours is not None and value:
+            found.append((f"{problem['problem']} {case['label']}", ours / value, other))
+    if not found:
+        return None
+    return {"geomean": math.exp(sum(math.log(r) for _, r, _ in found) / len(found)), "cases": len(found),
+            "above_1_1": [(name, r, other) for name, r, other in found if r > 1.1]}
+
+
+def versus_sentence(results) -> str:
+    parts = []
+    for exclude, label in (((), "best other column"), (("jax",), "best torch column")):
+        v = versus_best_other(results, exclude)
+        if v is None:
+            continue
+        worst = ", ".join(f"{n} ×{r:.2f} ({o})" for n, r, o in sorted(v["above_1_1"], key=lambda t: -t[1]))
+        parts.append(f"dynbatch / {label}: geometric mean ×{v['geomean']:.2f} over {v['cases']} cases; "
+                     f"{len(v['above_1_1'])} above ×1.1" + (f": {worst}." if worst else "."))
+    return " ".join(parts)
+
+
 def time_table(results, notes: Footnotes) -> str:
     cols = columns(results)
     ours_cols = ["dynbatch / eager_batched", "dynbatch / best other", "dynbatch / floor"] if OURS in cols else []
@@ -278,6 +305,7 @@ def markdown(results: dict[str, Any]) -> str:
         "## Summary: dynbatch per case",
         "dynbatch's median time per call and its ratios (below 1: dynbatch is faster).",
         summary_table(results),
+        versus_sentence(results),
         "## Steady-state time per call",
         "Median over repeated calls, ± interquartile range, in ms; ×ratio to `eager_batched`. "
         "`dynbatch / best other` names the fastest other column; `floor` is the matrix products any "
