@@ -650,6 +650,56 @@ def inductor_lowerings(wrappers: dict) -> Iterator[None]:
         lowering.lowerings.update(saved)
 
 
+@contextlib.contextmanager
+def inductor_lowerings_added(added: dict) -> Iterator[None]:
+    """Lowerings for ops Inductor has none for, for the length of the block."""
+    from torch._inductor import lowering
+
+    saved = {op: lowering.lowerings[op] for op in added if op in lowering.lowerings}
+    try:
+        lowering.lowerings.update(added)
+        yield
+    finally:
+        for op in added:
+            lowering.lowerings.pop(op, None)
+        lowering.lowerings.update(saved)
+
+
+def register_extern_kernel(name: str, fn: Callable) -> None:
+    """Make ``fn`` callable from Inductor's generated code as ``extern_kernels.<name>``
+    (where Inductor's own extern kernels live), also for code loaded from its FX cache."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    setattr(extern_kernels, name, fn)
+
+
+def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
+                          out_cols: tuple[int, int]) -> Callable:
+    """A lowering of ``op`` that calls ``extern_kernels.<name>(*tensors, *constants)`` from the
+    generated code, a plain Python call (the op would go through the dispatcher, 10-20 us on a
+    small product); its output is a new contiguous matrix [size(out_rows, 0), size(out_cols)].
+    Where Inductor's IR differs from what this expects, the op's own extern call instead."""
+    from torch._inductor import ir
+
+    def lower(*args):
+        try:
+            return _extern_alloc(*args)
+        except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure path
+            hook_failed(f"the direct extern call of {op}", e)
+            return inductor_fallback(op)(*args)
+
+    def _extern_alloc(*args):
+        tensors = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(a))
+                   for a in args if isinstance(a, ir.IRNode)]
+        constants = tuple(a for a in args if not isinstance(a, ir.IRNode))
+        size = [tensors[out_rows].get_size()[0], tensors[out_cols[0]].get_size()[out_cols[1]]]
+        layout = ir.FixedLayout(tensors[0].get_device(), tensors[0].get_dtype(), size)
+        return ir.TensorBox.create(ir.ExternKernelAlloc(layout, tensors, constant_args=constants,
+                                                        python_kernel_name=f"extern_kernels.{name}"))
+
+    return lower
+
+
 def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
     """Inductor's lowering that calls the aten kernel (an extern call)."""
     from torch._inductor import lowering

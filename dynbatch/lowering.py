@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _compat, memory, passes
+from . import _compat, matmul_kernels, memory, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
@@ -64,10 +64,12 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
         _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
-        with _compat.inductor_lowerings(_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT):
+        with (_compat.inductor_lowerings(_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT),
+              _compat.inductor_lowerings_added(routed_matmul_lowerings)):
             return inner(aten_gm, aten_inputs, **kwargs)
 
     _compat.inductor_patterns_registered_outside_transforms(example_inputs)
+    routed_matmul_lowerings = matmul_kernels.lowerings() if options.cpu_matmul != "aten" else {}
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
     # copies of the primal: compute them once (passes.sink_expands); tall CPU

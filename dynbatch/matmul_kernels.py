@@ -19,7 +19,9 @@ differ only in rounding (the order of the sums).
 
 Inductor lowers ``_linear_pointwise`` only for a weight it has frozen into a
 constant, and M is symbolic here, so the choice is a custom op,
-``dynbatch::linear_nt``, that Inductor calls as an extern kernel.
+``dynbatch::linear_nt``.  Inductor lowers it (``lowerings()``) to a plain call of
+``linear_nt`` from its generated code, as it calls ``mm``: an extern call of the
+op itself would go through the dispatcher's Python kernel, 10-20 us a product.
 """
 
 from __future__ import annotations
@@ -157,6 +159,20 @@ def op() -> torch._ops.OpOverload:
             torch.library.register_fake("dynbatch::linear_nt", _linear_nt_fake, lib=lib)
             _library = lib
     return torch.ops.dynbatch.linear_nt.default
+
+
+EXTERN_NAME = "dynbatch_linear_nt"  # extern_kernels.<this> in Inductor's generated code
+
+
+def register() -> None:
+    """The op and the extern kernel, before any graph that calls them compiles or loads."""
+    op()
+    _compat.register_extern_kernel(EXTERN_NAME, linear_nt)
+
+
+def lowerings() -> dict:
+    """Inductor's lowering of the op: ``extern_kernels.dynbatch_linear_nt(a, w, kernel)``."""
+    return {op(): _compat.extern_alloc_lowering(op(), EXTERN_NAME, 0, (1, 0))}
 
 
 def _linear_nt_fake(a: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -136,8 +136,8 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         self.cpu_matmul = cpu_matmul
         if cpu_matmul != "aten" and matmul_kernels.onednn_available():
             # Registered now, not when the pass runs: a graph loaded from Inductor's
-            # FX cache calls the op without this pass having run in this process.
-            matmul_kernels.op()
+            # FX cache calls the kernel without this pass having run in this process.
+            matmul_kernels.register()
         self.counts: dict[str, int] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -147,4 +147,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
     def uuid(self) -> str:
         # also keys lowering.py's choice of extern convolutions, which Inductor's
         # FX graph cache would not see otherwise
-        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v1-{self.cpu_matmul}"
+        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v2-{self.cpu_matmul}"

@@ -159,3 +159,21 @@ def test_model_compiled_alone_differentiated_outside(kernel_calls):
         assert_same_grads(got, loop_grads(f(x), x, V), msg=f"B={B}")
     assert kernel_calls["onednn"] > forward_calls
     assert dynbatch.counters().get("fallbacks", 0) == 0
+
+
+@needs_onednn
+def test_generated_code_calls_the_kernel_directly_not_through_the_dispatcher():
+    from torch._inductor.utils import run_and_get_code
+
+    f = _mlp(16, 2, torch.float32)
+
+    def vjps(x, V):
+        return torch.autograd.grad(f(x), x, V, is_grads_batched=True)
+
+    compiled = torch.compile(vjps, backend="dynbatch", fullgraph=True, options={"dynbatch.cpu_matmul": "onednn"})
+    x, V = torch.randn(8, 16, requires_grad=True), torch.randn(3, 8, 16)
+    out, code = run_and_get_code(compiled, x, V)
+    assert_same_grads(out, loop_grads(f(x), x, V))
+    text = "\n".join(code)
+    assert f"extern_kernels.{matmul_kernels.EXTERN_NAME}(" in text, text
+    assert "torch.ops.dynbatch.linear_nt.default(" not in text, text  # (assert_size_stride names the op)
