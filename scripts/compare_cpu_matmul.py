@@ -2,25 +2,42 @@
 
     taskset -c 0 python scripts/compare_cpu_matmul.py 1     # one core, one thread
 
-Both columns are called in a shuffled order in every round for 3 s per case,
-so a machine that drifts slows both alike; prints medians and auto/aten.
+Both columns are timed with the benchmark's interleaved rounds of warm blocks
+(dynbatch.bench.measure.interleaved_times), at least 2 s each per case; prints
+medians, auto/aten, and the kernel "auto" measured for each bucket of M.
 """
-import torch, time, random, sys
-torch.set_num_threads(int(sys.argv[1]))
-import dynbatch
-from dynbatch.bench import workloads, variants
-dev=torch.device('cpu')
-probs=workloads.build('sweep','cpu',[1,16,256,1024],dev,None)+workloads.build('mlp_jacobian','cpu',None,dev,None)
-def t1(f):
-    t=time.perf_counter(); f(); return time.perf_counter()-t
-for p in probs:
-    fns={k:torch.compile(variants.batched_program(p),backend='dynbatch',options={'dynbatch.cpu_matmul':k}) for k in ('aten','auto')}
-    for c in p.cases:
-        calls={k:(lambda f=f,c=c: f(c.x,c.cotangents)) for k,f in fns.items()}
-        for k in calls: calls[k](); calls[k]()
-        ts={k:[] for k in calls}; end=time.perf_counter()+3
-        while time.perf_counter()<end:
-            ks=list(calls); random.shuffle(ks)
-            for k in ks: ts[k].append(t1(calls[k]))
-        med={k:sorted(v)[len(v)//2] for k,v in ts.items()}
-        print(p.name,c.label,{k:f"{v*1e3:.3f}ms" for k,v in med.items()}, f"auto/aten={med['auto']/med['aten']:.2f}", flush=True)
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from dynbatch import matmul_kernels
+from dynbatch.bench import measure, variants, workloads
+
+
+def main(threads: int) -> None:
+    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
+    problems = (workloads.build("sweep", "cpu", [1, 16, 256, 1024], cpu, None)
+                + workloads.build("mlp_jacobian", "cpu", None, cpu, None)
+                + workloads.build("gelu_vjp", "cpu", None, cpu, None))
+    budget = measure.Budget(min_time_s=2.0, min_reps=20, max_reps=5000)
+    for problem in problems:
+        compiled = {k: torch.compile(variants.batched_program(problem), backend="dynbatch",
+                                     options={"dynbatch.cpu_matmul": k}) for k in ("aten", "auto")}
+        for case in problem.cases:
+            calls = {k: (lambda f=f, c=case: f(c.x, c.cotangents)) for k, f in compiled.items()}
+            for call in calls.values():
+                call()
+            timed = measure.interleaved_times(calls, lambda: None, budget)
+            med = {k: sorted(v["times_s"])[len(v["times_s"]) // 2] for k, v in timed.items()}
+            print(f"{problem.name:18s} {case.label:8s} aten {med['aten'] * 1e3:8.3f} ms  auto {med['auto'] * 1e3:8.3f} ms"
+                  f"  auto/aten {med['auto'] / med['aten']:.2f}", flush=True)
+    print("measured choices (M bucket = M.bit_length(), K, N, dtype, threads):",
+          {k[:3]: v for k, v in matmul_kernels.chosen().items()})
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
