@@ -30,16 +30,15 @@ def _expanded(node: torch.fx.Node) -> tuple[torch.fx.Node, list] | None:
 
 
 def _broadcast_sizes(sizes: list[list]) -> list | None:
-    """The size of the broadcast of expand sizes (ints, or nodes for symbolic sizes), right-aligned
-    like broadcasting; None where two disagree and neither is a literal 1 (or one is -1)."""
+    """The broadcast of expand sizes (ints, or nodes for symbolic sizes), right-aligned like
+    broadcasting; None where two differ and neither is a literal 1, or where one is -1."""
     out = []
     for i in range(1, max(map(len, sizes)) + 1):
         entries = [s[-i] for s in sizes if len(s) >= i]
         if any(isinstance(e, int) and e == -1 for e in entries):
-            if len(set(map(id, entries))) > 1:
-                return None
+            return None
         real = [e for e in entries if not (isinstance(e, int) and e == 1)]
-        if any(e is not real[0] and e != real[0] for e in real[1:]):
+        if any(e != real[0] for e in real[1:]):  # nodes compare by identity
             return None
         out.append(real[0] if real else 1)
     return out[::-1]
