@@ -70,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "is also pinned to that many cores first, so every column (JAX's thread pool "
                              "and the stock worker included) runs on the same cores")
     parser.add_argument("--min-time", type=float, default=None,
-                        help="seconds of steady-state timing per cell, at least 5 calls "
-                             "(default 0.5; --quick: 0.02 and 3 calls)")
+                        help="seconds of steady-state timing per cell, at least 9 calls "
+                             "(default 1.0; --quick: 0.02 and 3 calls)")
     parser.add_argument("--sequential", action="store_true",
                         help="time each column alone as it runs, not a case's columns interleaved after all ran once")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
