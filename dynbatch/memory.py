@@ -38,6 +38,23 @@ log = logging.getLogger("dynbatch")
 # "auto" budgets this fraction of the memory free on the device when a graph
 # compiles: a call may hold its inputs, outputs and the unbatched forward too.
 AUTO_BUDGET_FRACTION = 0.5
+# ... and on the CPU at most this much, for speed (NOTE [CPU chunks for speed]).
+CPU_AUTO_BUDGET = 16 * 2**20
+
+# NOTE [CPU chunks for speed]
+# On the CPU, torch allocates with malloc.  glibc's malloc serves a block above
+# its mmap threshold (adaptive, at most 32 MiB on 64-bit Linux) with fresh
+# pages from the kernel and unmaps them when the block is freed, and it gives
+# the top of its heap back once more than twice that threshold is free: every
+# call of a large batched backward page-faults and zeroes its buffers again.
+# On this project's machine that was half the time of the largest cases (the
+# Hessian of a learned pair potential, N = 128: 218,000 page faults and 0.7 s
+# of system time in a 1.4 s call).  Chunks of at most 16 MiB reuse the heap
+# blocks the previous chunk freed (no page fault in the Lennard-Jones Hessians
+# of N = 100, 200 or the pair potential of N = 64; 32 MiB chunks still faulted
+# at N = 128); the forward a chunk re-runs costs less than the faults did
+# (docs/design.md, "Memory within a budget").  CUDA's caching allocator keeps
+# its blocks, so there "auto" is only the fraction.
 
 # Several batched grads in one graph whose B-dependent memory adds up to more
 # than this run one after another (each within the budget), even if together
@@ -240,12 +257,12 @@ def _hints(vals) -> dict[sympy.Symbol, int]:
 # --- the budget and the plan ------------------------------------------------------
 
 def auto_budget(device: torch.device) -> int:
-    """AUTO_BUDGET_FRACTION of the memory free on ``device`` now."""
+    """AUTO_BUDGET_FRACTION of the memory free on ``device`` now; on the CPU at most
+    CPU_AUTO_BUDGET (NOTE [CPU chunks for speed])."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = available_ram()
-    return int(free * AUTO_BUDGET_FRACTION)
+        return int(free * AUTO_BUDGET_FRACTION)
+    return min(int(available_ram() * AUTO_BUDGET_FRACTION), CPU_AUTO_BUDGET)
 
 
 def available_ram() -> int:

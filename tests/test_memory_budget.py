@@ -101,10 +101,24 @@ def test_bad_budget_options_raise_a_clear_value_error(options):
         Options.from_compile_args(None, options)
 
 
-def test_auto_budget_is_a_fraction_of_the_free_memory():
+def test_auto_budget_on_the_cpu_is_the_smaller_of_a_fraction_of_the_free_memory_and_the_cpu_cap():
     budget = memory.resolve_budget("auto", [torch.zeros(1)])
     assert 0 < budget <= memory.available_ram()
-    assert budget == pytest.approx(memory.AUTO_BUDGET_FRACTION * memory.available_ram(), rel=0.2)
+    expected = min(memory.AUTO_BUDGET_FRACTION * memory.available_ram(), memory.CPU_AUTO_BUDGET)
+    assert budget == pytest.approx(expected, rel=0.2)
+
+
+def test_auto_budget_chunks_a_cpu_backward_above_the_cpu_cap(monkeypatch):
+    # NOTE [CPU chunks for speed]: the cap, lowered so that a small case stands for a large one.
+    monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 2**20)
+    pos = lattice(40)
+    V = torch.eye(120).view(120, 40, 3)
+    f = compiled(hessian_rows)  # memory_budget "auto", the default
+    assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    (plan,) = plans()
+    assert plan.applied and plan.chunks > 1, plan
+    assert plan.chunk_size * plan.bytes_per_sample <= memory.CPU_AUTO_BUDGET
+    assert plan.batch * plan.bytes_per_sample > memory.CPU_AUTO_BUDGET
 
 
 # --- the estimate, on a graph written by hand ---------------------------------------
