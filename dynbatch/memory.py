@@ -48,12 +48,11 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # the top of its heap back once more than twice that threshold is free: every
 # call of a large batched backward page-faults and zeroes its buffers again.
 # On this project's machine that was half the time of the largest cases (the
-# Hessian of a learned pair potential, N = 128: 218,000 page faults and 0.7 s
+# Hessian of a learned pair potential, N = 128: 215,000 page faults and 0.6 s
 # of system time in a 1.4 s call).  Chunks of at most 16 MiB reuse the heap
-# blocks the previous chunk freed (no page fault in the Lennard-Jones Hessians
-# of N = 100, 200 or the pair potential of N = 64; 32 MiB chunks still faulted
-# at N = 128); the forward a chunk re-runs costs less than the faults did
-# (docs/design.md, "Memory within a budget").  CUDA's caching allocator keeps
+# blocks the previous chunk freed (no page fault there, 0.88 s; 32 MiB chunks
+# still made 98,000); the forward a chunk re-runs costs less than the faults
+# did (scripts/cpu_page_faults.py; docs/design.md, "Memory within a budget").  CUDA's caching allocator keeps
 # its blocks, so there "auto" is only the fraction.
 
 # Several batched grads in one graph whose B-dependent memory adds up to more

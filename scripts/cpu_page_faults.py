@@ -31,12 +31,14 @@ def main() -> None:
         problem = next(p for p in problems if name in p.name)
         case = next(c for c in problem.cases if c.batch == batch)
         fns, lines = {}, {}
+        torch._dynamo.reset()  # each case's columns start from empty caches (and recompile limits)
         for column, budget in COLUMNS.items():
             fn = torch.compile(variants.batched_program(problem), backend="dynbatch",
                                options={"dynbatch.memory_budget": budget})
+            dynbatch.reset()
             out = fn(case.x, case.cotangents)
-            (plan,) = [p for r in dynbatch.compile_records() if not r.chunk_program for p in r.memory_plan][-1:] or [None]
-            chunks = f"chunks of {plan.chunk_size} x {plan.chunks}" if plan is not None and plan.applied else "unchunked"
+            plans = [p for r in dynbatch.compile_records() if not r.chunk_program for p in r.memory_plan]
+            chunks = ", ".join(f"chunks of {p.chunk_size} x {p.chunks}" for p in plans if p.applied) or "unchunked"
             before = resource.getrusage(resource.RUSAGE_SELF)
             fn(case.x, case.cotangents)
             after = resource.getrusage(resource.RUSAGE_SELF)
