@@ -52,8 +52,8 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # of system time in a 1.4 s call).  Chunks of at most 16 MiB reuse the heap
 # blocks the previous chunk freed (no page fault there, 0.88 s; 32 MiB chunks
 # still made 98,000); the forward a chunk re-runs costs less than the faults
-# did (scripts/cpu_page_faults.py; docs/design.md, "Memory within a budget").  CUDA's caching allocator keeps
-# its blocks, so there "auto" is only the fraction.
+# did (scripts/cpu_page_faults.py; docs/design.md, "Memory within a budget").
+# CUDA's caching allocator keeps its blocks, so there "auto" is only the fraction.
 
 # Several batched grads in one graph whose B-dependent memory adds up to more
 # than this run one after another (each within the budget), even if together
