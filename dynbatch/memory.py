@@ -261,7 +261,9 @@ def auto_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * AUTO_BUDGET_FRACTION)
-    return min(int(available_ram() * AUTO_BUDGET_FRACTION), CPU_AUTO_BUDGET)
+    budget = int(available_ram() * AUTO_BUDGET_FRACTION)
+    # Only the CPU allocates through malloc; other devices keep their own caches.
+    return min(budget, CPU_AUTO_BUDGET) if device.type == "cpu" else budget
 
 
 def available_ram() -> int:
