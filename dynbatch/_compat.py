@@ -637,32 +637,22 @@ def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_
 
 @contextlib.contextmanager
 def inductor_lowerings(wrappers: dict) -> Iterator[None]:
-    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)``
-    for the length of the block (one graph's lowering)."""
+    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)`` for the
+    length of the block (one graph's lowering); ``lowering`` is None for an op Inductor has
+    no lowering of, which gets one for the block only."""
     from torch._inductor import lowering
 
-    saved = {op: lowering.lowerings[op] for op in wrappers if op in lowering.lowerings}
+    saved = {op: lowering.lowerings.get(op) for op in wrappers}
     try:
         for op, original in saved.items():
             lowering.lowerings[op] = wrappers[op](op, original)
         yield
     finally:
-        lowering.lowerings.update(saved)
-
-
-@contextlib.contextmanager
-def inductor_lowerings_added(added: dict) -> Iterator[None]:
-    """Lowerings for ops Inductor has none for, for the length of the block."""
-    from torch._inductor import lowering
-
-    saved = {op: lowering.lowerings[op] for op in added if op in lowering.lowerings}
-    try:
-        lowering.lowerings.update(added)
-        yield
-    finally:
-        for op in added:
-            lowering.lowerings.pop(op, None)
-        lowering.lowerings.update(saved)
+        for op, original in saved.items():
+            if original is None:
+                lowering.lowerings.pop(op, None)
+            else:
+                lowering.lowerings[op] = original
 
 
 def register_extern_kernel(name: str, fn: Callable) -> None:

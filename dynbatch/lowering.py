@@ -64,8 +64,8 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
         _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
-        with (_compat.inductor_lowerings(_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT),
-              _compat.inductor_lowerings_added(routed_matmul_lowerings)):
+        with _compat.inductor_lowerings({**_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT,
+                                         **routed_matmul_lowerings}):
             return inner(aten_gm, aten_inputs, **kwargs)
 
     _compat.inductor_patterns_registered_outside_transforms(example_inputs)

@@ -172,8 +172,9 @@ def register() -> None:
 
 
 def lowerings() -> dict:
-    """Inductor's lowering of the op: ``extern_kernels.dynbatch_linear_nt(a, w, kernel)``."""
-    return {op(): _compat.extern_alloc_lowering(op(), EXTERN_NAME, 0, (1, 0))}
+    """Inductor's lowering of the op (it has none): ``extern_kernels.dynbatch_linear_nt(a, w, kernel)``,
+    in the form ``_compat.inductor_lowerings`` takes."""
+    return {op(): lambda op, _none: _compat.extern_alloc_lowering(op, EXTERN_NAME, 0, (1, 0))}
 
 
 def _linear_nt_fake(a: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
