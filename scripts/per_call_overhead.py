@@ -6,6 +6,10 @@
    dynbatch's region (what the Dynamo frame calls); inside Inductor's compiled
    call; and the matrix products in it (extern mm calls, timed by wrapping them).
 2. Default options vs options={"cpp_wrapper": True}, timed interleaved.
+3. The stack without the program (B = 1): the region's compiled program swapped
+   for one that returns its precomputed result, so the call is only Dynamo's
+   frame, guards and dynbatch's region; and the same program timed from inside
+   the frame and called directly, which differ by more than the stack costs.
 """
 
 from __future__ import annotations
@@ -72,6 +76,49 @@ def main() -> None:
         med = {k: sorted(v["times_s"])[len(v["times_s"]) // 2] * 1e6 for k, v in timed.items()}
         print(f"  {case.label:6s} default {med['default']:6.1f}  cpp_wrapper {med['cpp_wrapper']:6.1f}  "
               f"ratio {med['cpp_wrapper'] / med['default']:.2f}")
+
+    stack_without_the_program()
+
+
+def stack_without_the_program() -> None:
+    torch._dynamo.reset()  # a fresh cache entry for the program's code, so its compiled graph is new
+    (problem,) = workloads.build("sweep", "cpu", [1], torch.device("cpu"), None)
+    program = variants.batched_program(problem)
+    compiled = torch.compile(program, backend="dynbatch")
+    case = problem.cases[0]
+    before = set(program.__globals__)  # Dynamo puts the compiled graph among the frame's globals
+    compiled(case.x, case.cotangents)
+    (wrapper,) = [v for k, v in program.__globals__.items() if k.startswith("__compiled_fn") and k not in before]
+    region = wrapper._torchdynamo_orig_callable  # Dynamo's disable() wrapper keeps the callable it wraps
+    real = region.compiled
+    inputs = (case.x, *problem.f.__closure__[0].cell_contents, case.cotangents)  # the graph's inputs, in order
+    result = real(*inputs)
+    inside: list[float] = []
+
+    def real_timed(*args):
+        start = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            inside.append(time.perf_counter() - start)
+
+    def with_program(program_fn):
+        def call():
+            region.compiled = program_fn
+            compiled(case.x, case.cotangents)
+        return call
+
+    calls = {
+        "whole call": with_program(real_timed),
+        "whole call, program returns its result": with_program(lambda *args: result),
+        "program called directly": lambda: real(*inputs),
+    }
+    timed = measure.interleaved_times(calls, lambda: None, measure.Budget(min_time_s=3, min_reps=200, max_reps=20000))
+    region.compiled = real
+    print("the stack without the program, B = 1, interleaved, median microseconds:")
+    for name, cell in timed.items():
+        print(f"  {name:40s} {sorted(cell['times_s'])[len(cell['times_s']) // 2] * 1e6:6.1f}")
+    print(f"  {'program timed inside the whole call':40s} {sorted(inside)[len(inside) // 2] * 1e6:6.1f}")
 
 
 if __name__ == "__main__":
