@@ -7,10 +7,10 @@ Inductor hands every CPU ``mm`` to ATen, which calls the BLAS torch was built
 with (MKL on x86).  oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``,
 which computes ``a @ w.t()`` with ``w`` as stored) blocks tall products
 better on some CPUs and is slower on short ones, where its per-call setup
-dominates.  On the 2-core AMD EPYC (Zen 4) dynbatch is developed on, one
-thread, float32, oneDNN over MKL: 0.74-0.80x the time at M >= 8192 for
-K = N = 128, 0.85x at M = 1024-4096 for K = N = 512, but 2.5x at M = 8
-(docs/design.md, "Lowering").  Which kernel wins depends on the CPU, the
+dominates.  On the 2-core AMD EPYC dynbatch is developed on, one thread,
+float32, oneDNN over MKL: 0.8-0.9x the time from M = 2048 (K = N = 128 and
+512), but 2.5x at M = 8 (docs/design.md, "Lowering").  "auto", the default,
+takes the faster per shape.  Which kernel wins depends on the CPU, the
 shape and the thread count, so it is measured, not assumed: the first
 product of each (power-of-two bucket of M, K, N, dtype, threads) runs both
 kernels on its real operands, a few times each, and the faster is remembered

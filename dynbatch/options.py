@@ -35,10 +35,10 @@ class Options:
     memory_budget: int | str | None = "auto"
     # Fixes the number of samples per chunk instead of deriving it from the budget.
     chunk_size: int | None = None
-    # The kernel of float32 CPU products mm(a, w.t()) (matmul_kernels.py): "aten"
-    # (Inductor's extern mm), "auto" (the faster of ATen's and oneDNN's, measured
-    # per shape; wins only on tall products, see docs/design.md), "onednn".
-    cpu_matmul: str = "aten"
+    # The kernel of float32 CPU products mm(a, w.t()) (matmul_kernels.py): "auto"
+    # (the faster of ATen's and oneDNN's, measured per shape on tall products),
+    # "aten" (Inductor's extern mm everywhere), "onednn".
+    cpu_matmul: str = "auto"
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -61,7 +61,7 @@ class Options:
             )
         _check_choice("inner_compiler", ours.get("inner_compiler", "inductor"), INNER_COMPILERS)
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
-        _check_choice("cpu_matmul", ours.get("cpu_matmul", "aten"), CPU_MATMUL)
+        _check_choice("cpu_matmul", ours.get("cpu_matmul", "auto"), CPU_MATMUL)
         if "record_graphs" in ours and not isinstance(ours["record_graphs"], bool):
             raise ValueError("dynbatch: option dynbatch.record_graphs takes a bool")
         if "memory_budget" in ours:

@@ -96,7 +96,8 @@ def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
 
     A product whose sizes are all known is measured now and keeps ATen's ``mm``
     unless oneDNN won; one with a symbolic size (M = B*N) is measured at run time
-    for each bucket of M, by the op.  ``kernel="aten"`` leaves the graph as it is.
+    for each bucket of M, by the op, unless "auto" would never measure it (M known
+    and below MIN_ROWS).  ``kernel="aten"`` leaves the graph as it is.
     """
     if kernel == "aten" or not matmul_kernels.onednn_available():
         return 0
@@ -117,6 +118,10 @@ def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
         if not any(map(_compat.is_symbolic, sizes)):
             if matmul_kernels.choice_for_static_shape(*map(int, sizes), torch.float32, kernel) != "onednn":
                 continue
+        elif kernel == "auto" and not _compat.is_symbolic(sizes[0]) and int(sizes[0]) < matmul_kernels.MIN_ROWS:
+            # A known short height (B in K or N, as in an HVP's [n, d] @ [d, K]) would take
+            # ATen at every call: routing it only adds the op's Python call.
+            continue
         with graph.inserting_before(node):
             routed = graph.call_function(matmul_kernels.op(), (a, w, kernel))
         routed.meta["val"] = out_val
@@ -131,7 +136,7 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
     """dynbatch's aten passes as an Inductor ``post_grad_custom_pre_pass``: sink_expands,
     then route_matmuls (uuid keys the FX cache)."""
 
-    def __init__(self, cpu_matmul: str = "aten") -> None:
+    def __init__(self, cpu_matmul: str = "auto") -> None:
         self.cpu_matmul = cpu_matmul
         if cpu_matmul != "aten" and matmul_kernels.onednn_available():
             # Registered now, not when the pass runs: a graph loaded from Inductor's

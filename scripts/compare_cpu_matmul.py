@@ -1,6 +1,7 @@
 """dynbatch.cpu_matmul="aten" vs "auto" on the sweep and mlp_jacobian workloads, timed interleaved.
 
     taskset -c 0 python scripts/compare_cpu_matmul.py 1     # one core, one thread
+    taskset -c 0 python scripts/compare_cpu_matmul.py 1 sweep,attention,pinn   # other workloads
 
 Both columns are timed with the benchmark's interleaved rounds of warm blocks
 (dynbatch.bench.measure.interleaved_times), at least 2 s each per case; prints
@@ -17,14 +18,19 @@ from dynbatch import matmul_kernels
 from dynbatch.bench import measure, variants, workloads
 
 
-def main(threads: int) -> None:
+DEFAULT_WORKLOADS = "sweep,mlp_jacobian,gelu_vjp"
+
+
+def main(threads: int, names: str = DEFAULT_WORKLOADS) -> None:
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
-    problems = (workloads.build("sweep", "cpu", [1, 16, 256, 1024], cpu, None)
-                + workloads.build("mlp_jacobian", "cpu", None, cpu, None)
-                + workloads.build("gelu_vjp", "cpu", None, cpu, None))
+    problems = [problem for name in names.split(",")
+                for problem in workloads.build(name, "cpu", [1, 16, 256, 1024] if name == "sweep" else None, cpu, None)]
     budget = measure.Budget(min_time_s=2.0, min_reps=20, max_reps=5000)
     for problem in problems:
+        # Every problem's program shares one code object: a fresh Dynamo cache per problem
+        # keeps it under the recompile limit, past which Dynamo would run it eagerly.
+        torch._dynamo.reset()
         compiled = {k: torch.compile(variants.batched_program(problem), backend="dynbatch",
                                      options={"dynbatch.cpu_matmul": k}) for k in ("aten", "auto")}
         for case in problem.cases:
@@ -40,4 +46,4 @@ def main(threads: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, *sys.argv[2:3])

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import dynbatch
 from dynbatch import matmul_kernels
@@ -62,6 +66,24 @@ def test_auto_measures_once_per_bucket_and_only_tall_float32_products(kernel_cal
     assert sum(kernel_calls.values()) == sum(measured.values()) + 1 and kernel_calls[name] == measured[name] + 1
 
 
+@needs_onednn
+@pytest.mark.parametrize("onednn_cost, expected", [(0.97, "onednn"), (1.03, "aten")])
+def test_auto_takes_the_kernel_measured_faster(monkeypatch, onednn_cost, expected):
+    """The measured times decide (a fake clock that each kernel advances by its cost)."""
+    clock = {"now": 0.0}
+    cost = {"aten": 1.0, "onednn": onednn_cost}  # seconds of the fake clock per product
+    monkeypatch.setattr(matmul_kernels, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    for name, kernel in list(matmul_kernels.KERNELS.items()):
+        def timed(a, w, name=name, kernel=kernel):
+            clock["now"] += cost[name]
+            return kernel(a, w)
+        monkeypatch.setitem(matmul_kernels.KERNELS, name, timed)
+    a, w = torch.randn(matmul_kernels.MIN_ROWS, 8), torch.randn(4, 8)
+    name, out = matmul_kernels.measure(a, w)
+    assert name == expected
+    torch.testing.assert_close(out, a @ w.t())
+
+
 def _traced(fn, *args, mode="symbolic"):
     return make_fx(fn, tracing_mode=mode)(*args)
 
@@ -102,6 +124,34 @@ def test_route_matmuls_measures_static_products_at_compile_time():
     routed = route_matmuls(tall.graph, "auto")
     (name,) = matmul_kernels.chosen().values()  # measured on real operands of that shape
     assert routed == (name == "onednn")
+
+
+def _traced_with_dynamic_dims(fn, *tensors_and_dims):
+    """``fn`` traced on fake tensors whose dims flagged True are symbolic, the others static
+    (make_fx's "symbolic" mode makes every size symbolic)."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dims]))
+        for t, dims in tensors_and_dims]
+    with mode:
+        return make_fx(fn, tracing_mode="real")(*fakes)
+
+
+@needs_onednn
+def test_route_matmuls_leaves_a_known_short_height_to_aten():
+    """B in N only (an HVP's [n, d] @ [d, K]): "auto" would pick ATen at every call, so the
+    product is not routed; a symbolic or tall known height is."""
+    def f(a, w):
+        return torch.mm(a, w.t())
+
+    def traced(m, m_symbolic):
+        return _traced_with_dynamic_dims(f, (torch.randn(m, 6), (m_symbolic, False)),
+                                         (torch.randn(5, 6), (True, False))).graph
+
+    assert route_matmuls(traced(8, False), "auto") == 0
+    assert route_matmuls(traced(8, False), "onednn") == 1
+    assert route_matmuls(traced(8, True), "auto") == 1
+    assert route_matmuls(traced(matmul_kernels.MIN_ROWS, False), "auto") == 1
 
 
 def _mlp(width, depth, dtype):
