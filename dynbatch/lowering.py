@@ -10,6 +10,7 @@ compilers are wrapped to keep the aten graph's text for the compile record.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,6 +20,8 @@ from . import _compat, matmul_kernels, memory, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
+
+log = logging.getLogger("dynbatch")
 
 
 def lower(
@@ -69,19 +72,33 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
             return inner(aten_gm, aten_inputs, **kwargs)
 
     _compat.inductor_patterns_registered_outside_transforms(example_inputs)
-    routed_matmul_lowerings = matmul_kernels.lowerings() if options.cpu_matmul != "aten" else {}
+    cpu_matmul = _cpu_matmul(options)
+    routed_matmul_lowerings = matmul_kernels.lowerings() if cpu_matmul != "aten" else {}
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
     # copies of the primal: compute them once (passes.sink_expands); tall CPU
     # products take the kernel measured fastest (passes.route_matmuls); unless
     # the user brought their own pass.
-    config_patches.setdefault("post_grad_custom_pre_pass", passes.PostGradPasses(options.cpu_matmul))
+    config_patches.setdefault("post_grad_custom_pre_pass", passes.PostGradPasses(cpu_matmul))
     return _compat.compile_fx(
         gm,
         example_inputs,
         inner_compile=recording_inner_compile,
         config_patches=config_patches,
     )
+
+
+def _cpu_matmul(options: Options) -> str:
+    """The CPU product kernel choice this graph can take: Inductor's C++ wrapper
+    (``cpp_wrapper``) calls extern kernels from C++ and has no call for the routed
+    Python kernel (its codegen fails), so there every product stays ATen's ``mm``."""
+    from torch._inductor import config as inductor_config
+
+    if options.cpu_matmul != "aten" and options.inductor_config.get("cpp_wrapper", inductor_config.cpp_wrapper):
+        log.debug("dynbatch: cpp_wrapper is on: CPU products stay with ATen (dynbatch.cpu_matmul=%r ignored)",
+                  options.cpu_matmul)
+        return "aten"
+    return options.cpu_matmul
 
 
 def _extern_when_weight_is_symbolic(weight: int, groups: int) -> Callable:

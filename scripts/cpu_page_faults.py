@@ -1,6 +1,7 @@
 """Page faults and time of large CPU batched backwards, unchunked and in chunks.
 
     taskset -c 0 python scripts/cpu_page_faults.py        # one core, one thread
+    taskset -c 0 python scripts/cpu_page_faults.py unchunked,auto,64MiB,256MiB   # other budgets
 
 The full_hessian workload (Lennard-Jones N = 100, 200; learned pair potential
 N = 64, 128) compiled by dynbatch with memory_budget None (one unchunked call),
@@ -20,11 +21,13 @@ import torch
 import dynbatch
 from dynbatch.bench import measure, variants, workloads
 
-COLUMNS = {"unchunked": None, "32MiB": "32MiB", "auto": "auto"}
+DEFAULT_COLUMNS = "unchunked,32MiB,auto"
 CASES = (("lj", 300), ("lj", 600), ("pair_mlp", 192), ("pair_mlp", 384))
 
 
-def main() -> None:
+def main(columns: str = DEFAULT_COLUMNS) -> None:
+    """``columns``: memory budgets, comma-separated ("unchunked" is None)."""
+    budgets = {c: None if c == "unchunked" else c for c in columns.split(",")}
     torch.set_num_threads(1)
     problems = workloads.build("full_hessian", "cpu", None, torch.device("cpu"), None)
     for name, batch in CASES:
@@ -32,7 +35,7 @@ def main() -> None:
         case = next(c for c in problem.cases if c.batch == batch)
         fns, lines = {}, {}
         torch._dynamo.reset()  # each case's columns start from empty caches (and recompile limits)
-        for column, budget in COLUMNS.items():
+        for column, budget in budgets.items():
             fn = torch.compile(variants.batched_program(problem), backend="dynbatch",
                                options={"dynbatch.memory_budget": budget})
             dynbatch.reset()
@@ -47,11 +50,11 @@ def main() -> None:
             fns[column] = lambda fn=fn: fn(case.x, case.cotangents)
             del out
         timed = measure.interleaved_times(fns, lambda: None, measure.Budget(min_time_s=4, min_reps=5, max_reps=200))
-        for column in COLUMNS:
+        for column in budgets:
             times = sorted(timed[column]["times_s"])
             print(f"{problem.name} {case.label:6s} {column:9s} {times[len(times) // 2] * 1e3:8.1f} ms  {lines[column]}",
                   flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:2]))

@@ -227,3 +227,23 @@ def test_generated_code_calls_the_kernel_directly_not_through_the_dispatcher():
     text = "\n".join(code)
     assert f"extern_kernels.{matmul_kernels.EXTERN_NAME}(" in text, text
     assert "torch.ops.dynbatch.linear_nt.default(" not in text, text  # (assert_size_stride names the op)
+
+
+@needs_onednn
+def test_cpp_wrapper_keeps_products_on_aten_instead_of_falling_back():
+    """Inductor's C++ wrapper cannot call the routed Python kernel: with it on, the default
+    "auto" leaves every product to ATen, and the graph still compiles (no eager fallback)."""
+    from torch._inductor.utils import run_and_get_code
+
+    f = _mlp(16, 2, torch.float32)
+
+    def vjps(x, V):
+        return torch.autograd.grad(f(x), x, V, is_grads_batched=True)
+
+    compiled = torch.compile(vjps, backend="dynbatch", fullgraph=True, dynamic=True,  # M = B*8 symbolic: routable
+                             options={"cpp_wrapper": True, "dynbatch.on_unsupported": "error"})
+    x, V = torch.randn(8, 16, requires_grad=True), torch.randn(3, 8, 16)
+    out, code = run_and_get_code(compiled, x, V)
+    assert_same_grads(out, loop_grads(f(x), x, V))
+    assert dynbatch.counters()["graphs_batched"] == 1 and dynbatch.counters().get("fallbacks", 0) == 0
+    assert matmul_kernels.EXTERN_NAME not in "\n".join(code)
