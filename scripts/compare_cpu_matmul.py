@@ -1,4 +1,4 @@
-"""dynbatch.cpu_matmul="aten" vs "auto" on the sweep and mlp_jacobian workloads, timed interleaved.
+"""dynbatch.cpu_matmul="aten" vs "auto" on the named workloads (default sweep, mlp_jacobian, gelu_vjp), timed interleaved.
 
     taskset -c 0 python scripts/compare_cpu_matmul.py 1     # one core, one thread
     taskset -c 0 python scripts/compare_cpu_matmul.py 1 sweep,attention,pinn   # other workloads
