@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import sympy
 import torch
@@ -54,6 +54,11 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # still made 98,000); the forward a chunk re-runs costs less than the faults
 # did (scripts/cpu_page_faults.py; docs/design.md, "Memory within a budget").
 # CUDA's caching allocator keeps its blocks, so there "auto" is only the fraction.
+# A process started with glibc's tunables raising both thresholds
+# (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...,
+# docs/usage.md, "Memory") keeps freed blocks on its heap: there no call faults,
+# unchunked is fastest (chunks cost 7-31 %, each re-runs the forward), and the cap
+# rises to half the smaller threshold (malloc_keeps_memory_below).
 
 # Several batched grads in one graph whose B-dependent memory adds up to more
 # than this run one after another (each within the budget), even if together
@@ -257,13 +262,37 @@ def _hints(vals) -> dict[sympy.Symbol, int]:
 
 def auto_budget(device: torch.device) -> int:
     """AUTO_BUDGET_FRACTION of the memory free on ``device`` now; on the CPU at most
-    CPU_AUTO_BUDGET (NOTE [CPU chunks for speed])."""
+    CPU_AUTO_BUDGET, or half what malloc keeps mapped (NOTE [CPU chunks for speed])."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * AUTO_BUDGET_FRACTION)
     budget = int(available_ram() * AUTO_BUDGET_FRACTION)
     # Only the CPU allocates through malloc; other devices keep their own caches.
-    return min(budget, CPU_AUTO_BUDGET) if device.type == "cpu" else budget
+    return min(budget, cpu_speed_cap()) if device.type == "cpu" else budget
+
+
+def cpu_speed_cap(environ: Mapping[str, str] = os.environ) -> int:
+    """The most a CPU chunk may hold before malloc hands its blocks back to the kernel:
+    CPU_AUTO_BUDGET under glibc's defaults, half the smaller threshold where the
+    process was started with both raised."""
+    kept = malloc_keeps_memory_below(environ.get("GLIBC_TUNABLES", ""))
+    return max(CPU_AUTO_BUDGET, kept // 2) if kept else CPU_AUTO_BUDGET
+
+
+def malloc_keeps_memory_below(tunables: str) -> int | None:
+    """Bytes below which glibc's malloc neither maps a block afresh nor trims its heap,
+    from a GLIBC_TUNABLES string; None unless it sets both thresholds.  (Setting only
+    one turns off glibc's adaptive thresholds and leaves the other at its 128 KiB
+    default, which faults more, not less.)"""
+    values = {}
+    for item in tunables.split(":"):
+        name, _, value = item.partition("=")
+        if name in ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold"):
+            try:
+                values[name] = int(value, 0)  # decimal or 0x hex; anything else keeps the cap
+            except ValueError:
+                return None
+    return min(values.values()) if len(values) == 2 else None
 
 
 def available_ram() -> int:

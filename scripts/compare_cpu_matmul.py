@@ -25,7 +25,7 @@ def main(threads: int, names: str = DEFAULT_WORKLOADS) -> None:
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
     problems = [problem for name in names.split(",")
-                for problem in workloads.build(name, "cpu", [1, 16, 256, 1024] if name == "sweep" else None, cpu, None)]
+                for problem in workloads.build(name, "cpu", [1, 16, 64, 256, 1024] if name == "sweep" else None, cpu, None)]
     budget = measure.Budget(min_time_s=2.0, min_reps=20, max_reps=5000)
     for problem in problems:
         # Every problem's program shares one code object: a fresh Dynamo cache per problem

@@ -121,6 +121,43 @@ def test_auto_budget_chunks_a_cpu_backward_above_the_cpu_cap(monkeypatch):
     assert plan.batch * plan.bytes_per_sample > memory.CPU_AUTO_BUDGET
 
 
+
+KEEP_MEMORY = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=0x100000000"
+
+
+@pytest.mark.parametrize("tunables, kept", [
+    ("", None),
+    (KEEP_MEMORY, 2**32),
+    ("glibc.malloc.trim_threshold=67108864:glibc.malloc.mmap_threshold=134217728", 2**26),
+    ("glibc.malloc.mmap_threshold=4294967296", None),  # the other stays at 128 KiB
+    ("glibc.malloc.tcache_count=0", None),
+    ("glibc.malloc.mmap_threshold=lots:glibc.malloc.trim_threshold=4294967296", None),
+])
+def test_malloc_keeps_memory_below_reads_both_glibc_thresholds(tunables, kept):
+    assert memory.malloc_keeps_memory_below(tunables) == kept
+
+
+def test_cpu_speed_cap_rises_only_where_malloc_keeps_freed_memory():
+    assert memory.cpu_speed_cap({}) == memory.CPU_AUTO_BUDGET
+    assert memory.cpu_speed_cap({"GLIBC_TUNABLES": KEEP_MEMORY}) == 2**31
+    # thresholds below the cap's: the cap stays (chunks of it already fit the heap)
+    small = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=1048576"
+    assert memory.cpu_speed_cap({"GLIBC_TUNABLES": small}) == memory.CPU_AUTO_BUDGET
+
+
+def test_auto_budget_leaves_a_cpu_backward_unchunked_where_malloc_keeps_freed_memory(monkeypatch):
+    # The same backward as above, which the lowered cap chunks: with both thresholds
+    # raised in GLIBC_TUNABLES it runs in one piece, and equals the eager rows.
+    monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 2**20)
+    monkeypatch.setenv("GLIBC_TUNABLES", KEEP_MEMORY)
+    pos = lattice(40)
+    V = torch.eye(120).view(120, 40, 3)
+    f = compiled(hessian_rows)
+    assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    (plan,) = plans()
+    assert not plan.applied and plan.chunk_size is None, plan
+    assert plan.batch * plan.bytes_per_sample > 2**20  # the default cap would have chunked it
+
 # --- the estimate, on a graph written by hand ---------------------------------------
 
 def test_estimate_replays_allocations_between_the_markers_and_removes_them():
