@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch.torch_version import TorchVersion
 
 TORCH_VERSION = TorchVersion(torch.__version__)
@@ -167,15 +168,11 @@ def expect_true(a: Any) -> bool:
 
 def forward_ad_level() -> int:
     """The innermost active ``torch.autograd.forward_ad.dual_level`` (-1: none)."""
-    from torch.autograd import forward_ad
-
-    return forward_ad._current_level
+    return _forward_ad._current_level
 
 
 def has_tangent(t: torch.Tensor) -> bool:
-    from torch.autograd import forward_ad
-
-    return forward_ad.unpack_dual(t).tangent is not None
+    return _forward_ad.unpack_dual(t).tangent is not None
 
 
 def legacy_vmap_level() -> int:

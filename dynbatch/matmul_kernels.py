@@ -44,10 +44,13 @@ CHOICES = ("auto", "aten", "onednn")
 # Timed calls of each kernel in a measurement, after one untimed call that
 # builds oneDNN's primitive and warms the caches (the minimum is compared).
 TRIALS = 5
-# Products shorter than this stay with ATen unmeasured: oneDNN lost at every
-# M <= 512 measured (1.3-2.5x the time) and M = 1024 was a coin flip (1.08x for
-# K = N = 128, 0.86x for 512) that a first-call measurement decided by noise.
-MIN_ROWS = 2048
+# Products shorter than this stay with ATen unmeasured.  Inside the programs,
+# on the 2-core AMD EPYC, one thread, oneDNN over MKL (forced, timed interleaved):
+# M = 512 1.05-1.09x (two A/Bs), M = 1024 0.93-1.02x (eight), though oneDNN
+# alone is 0.96x at 512: a first-call measurement would pick it there and lose.
+# On the earlier host M = 1024 was a coin flip (1.08x at K = N = 128, 0.86x at
+# 512), which the measurement decides at a cost of a few percent either way.
+MIN_ROWS = 1024
 
 _chosen: dict[tuple, str] = {}
 _lock = threading.Lock()

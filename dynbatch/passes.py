@@ -151,4 +151,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
     def uuid(self) -> str:
         # also keys lowering.py's choice of extern convolutions, which Inductor's
         # FX graph cache would not see otherwise
-        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v3-{self.cpu_matmul}"
+        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v4-{self.cpu_matmul}"
