@@ -46,7 +46,7 @@ CHOICES = ("auto", "aten", "onednn")
 TRIALS = 5
 # Products shorter than this stay with ATen unmeasured.  Inside the programs,
 # on the 2-core AMD EPYC, one thread, oneDNN over MKL (forced, timed interleaved):
-# M = 512 1.05-1.09x (two A/Bs), M = 1024 0.93-1.02x (eight), though oneDNN
+# M = 512 1.05-1.09x (three A/Bs), M = 1024 0.93-1.02x (nine), though oneDNN
 # alone is 0.96x at 512: a first-call measurement would pick it there and lose.
 # On the earlier host M = 1024 was a coin flip (1.08x at K = N = 128, 0.86x at
 # 512), which the measurement decides at a cost of a few percent either way.
