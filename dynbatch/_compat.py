@@ -8,9 +8,11 @@ torch version means editing this file only.  Tested: torch 2.11 - 2.14.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -241,6 +243,12 @@ class Batching:
                 torch._C._vmapmode_increment_nesting()
 
 
+def engine_will_execute(node: Any) -> bool:
+    """Whether the running backward will execute ``node`` (refused for a leaf's
+    AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
+    return torch._C._will_engine_execute_node(node)
+
+
 def batching_of(grads: list[torch.Tensor]) -> Batching | None:
     """The vmap that batches these grads, or None for plain tensors.  One batch
     level is unwrapped; anything deeper is "nested", for paths (an eager
@@ -376,6 +384,104 @@ def dynamo_traces_requires_grad_of_intermediates() -> Iterator[None]:
         yield
     finally:
         TensorVariable.method_requires_grad_ = original
+
+
+REQUIRES_GRAD_AT_CALL = "dynbatch_requires_grad_at_call"  # placeholder meta: see below
+# Frames whose inputs' requires_grad_() stays a graph break (code objects, weakly held).
+_INPUT_REQUIRES_GRAD_REFUSED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
+    """``x.requires_grad_()`` (or ``x.requires_grad = True``) on a graph input
+    that does not require grad -- ``pos.requires_grad_(True)`` in a force
+    model's forward -- is traced instead of graph-breaking: the input is marked
+    (``REQUIRES_GRAD_AT_CALL`` on its placeholder) and its fake value requires
+    grad from there on, so the graph differentiates w.r.t. the input itself.
+    The region sets ``requires_grad`` on the real tensor before each call, as
+    eager does by then; Dynamo's guards keep what they saw (the input does not
+    require grad), so the next fresh input hits the same graph.  The attribute
+    form becomes the method (they differ only in the method's return value)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original_method = TensorVariable.method_requires_grad_
+    original_store = InstructionTranslatorBase.STORE_ATTR
+
+    def method_requires_grad_(self, tx, requires_grad=True):
+        wanted = requires_grad if requires_grad is True else requires_grad.as_python_constant()
+        node = self.as_proxy().node
+        example = node.meta.get("example_value")
+        root_code = tx.output.root_tx.f_code
+        if not (wanted is True and self.source is not None and node.op == "placeholder"
+                and isinstance(example, torch.Tensor) and not example.requires_grad
+                and (example.dtype.is_floating_point or example.dtype.is_complex)
+                and not functorch_transform_active() and root_code not in _INPUT_REQUIRES_GRAD_REFUSED):
+            if (functorch_transform_active() and node.op != "placeholder"
+                    and any(n.meta.get(REQUIRES_GRAD_AT_CALL) for n in tx.output.graph.find_nodes(op="placeholder"))):
+                # A functorch wrapper of the marked input inside a transform
+                # (``hessian(outer_jacobian_strategy="forward-mode")``): its fake value
+                # has lost requires_grad and Dynamo's own path fails on it.  Trace the
+                # frame again with the input's requires_grad_() a graph break, as stock.
+                _INPUT_REQUIRES_GRAD_REFUSED.add(root_code)
+                raise torch._dynamo.exc.RestartAnalysis(
+                    restart_reason="dynbatch: requires_grad_() of a graph input reaches a torch.func transform")
+            return original_method(self, tx, requires_grad)
+        example.requires_grad_(True)
+        node.meta[REQUIRES_GRAD_AT_CALL] = True
+        self.requires_grad = True
+        return self
+
+    def STORE_ATTR(self, inst):  # noqa: N802 - Dynamo's opcode handler name
+        if inst.argval == "requires_grad" and len(self.stack) >= 2:
+            obj, val = (v.realize() if hasattr(v, "realize") else v for v in (self.stack[-1], self.stack[-2]))
+            if isinstance(obj, TensorVariable) and val.is_python_constant():
+                self.popn(2)
+                obj.call_method(self, "requires_grad_", [val], {})
+                return None
+        return original_store(self, inst)
+
+    # Each translator class dispatches opcodes through a table built from its methods.
+    tables = [t for t in _dispatch_tables(InstructionTranslatorBase) if t[_STORE_ATTR] is original_store]
+    TensorVariable.method_requires_grad_ = method_requires_grad_
+    for table in tables:
+        table[_STORE_ATTR] = STORE_ATTR
+    try:
+        yield
+    finally:
+        TensorVariable.method_requires_grad_ = original_method
+        for table in tables:
+            table[_STORE_ATTR] = original_store
+
+
+_STORE_ATTR = dis.opmap["STORE_ATTR"]
+
+
+def _dispatch_tables(base: type) -> list[list]:
+    classes, seen = [base], []
+    while classes:
+        cls = classes.pop()
+        seen.append(cls)
+        classes.extend(cls.__subclasses__())
+    return [cls.__dict__["dispatch_table"] for cls in seen if "dispatch_table" in cls.__dict__]
+
+
+def inputs_given_requires_grad(gm: Any) -> tuple[int, ...]:
+    """The graph inputs whose ``requires_grad_()`` the graph traced (see above)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, n in enumerate(placeholders) if n.meta.get(REQUIRES_GRAD_AT_CALL))
+
+
+def with_traced_requires_grad(gm: Any, example_inputs: Sequence[Any]) -> Sequence[Any]:
+    """The backend's example inputs as the graph saw them: an input whose
+    ``requires_grad_()`` was traced is its fake value (which requires grad; the
+    real tensor does not yet), so AOTAutograd differentiates w.r.t. it with the
+    same symbolic sizes."""
+    marked = inputs_given_requires_grad(gm)
+    if not marked:
+        return example_inputs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [placeholders[i].meta["example_value"] if i in marked else a for i, a in enumerate(example_inputs)]
 
 
 def leaks_traced_requires_grad(gm: Any) -> bool:
@@ -746,6 +852,23 @@ def aot_config_patch(**settings: Any) -> Any:
     import torch._functorch.config as aot_config
 
     return aot_config.patch(**{k: v for k, v in settings.items() if hasattr(aot_config, k)})
+
+
+@contextlib.contextmanager
+def donated_buffers_off() -> Iterator[None]:
+    """AOTAutograd's global ``donated_buffer`` off, for a backward that retains
+    its graph (checked at backward time).  Runs on every region backward, so it
+    sets the flag rather than ``config.patch`` (which builds a class per call)."""
+    import torch._functorch.config as aot_config
+
+    if not getattr(aot_config, "donated_buffer", False):
+        yield
+        return
+    aot_config.donated_buffer = False
+    try:
+        yield
+    finally:
+        aot_config.donated_buffer = True
 
 
 def aot_mutates_differentiable_input() -> bool:

@@ -35,6 +35,7 @@ def dynbatch_backend(
 ) -> Callable[..., Any]:
     opts = Options.from_compile_args(mode, options)
     record = CompileRecord(chunk_program=chunk_program)
+    example_inputs = _compat.with_traced_requires_grad(gm, example_inputs)
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
@@ -118,7 +119,16 @@ def _fall_back(gm: torch.fx.GraphModule, record: CompileRecord, opts: Options, r
     if opts.on_unsupported == "error":
         raise UnsupportedGraph(f"dynbatch cannot batch this graph: {reason}")
     log.warning("dynbatch: falling back to eager for this graph: %s", reason)
-    return gm.forward
+    marked = _compat.inputs_given_requires_grad(gm)
+    if not marked:
+        return gm.forward
+
+    def forward(*args):
+        for i in marked:  # the requires_grad_() the graph traced, as eager does it
+            args[i].requires_grad_(True)
+        return gm.forward(*args)
+
+    return forward
 
 
 capture.install()

@@ -86,6 +86,8 @@ def capture_scope():
              lambda: _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
              else contextlib.nullcontext()),
         soft("tracing requires_grad_() (torch 2.11)", _compat.dynamo_traces_requires_grad_of_intermediates),
+        # after the line above: inputs here, the rest passed on to it
+        soft("tracing requires_grad_() of graph inputs", _compat.dynamo_traces_requires_grad_of_inputs),
     ):
         yield
 

@@ -9,8 +9,9 @@ data pointer of Tensor that doesn't have storage"); and a region called with
 forward-mode dual tensors drops their tangents.  See NOTE [Region backward].
 
 NOTE [Region backward]
-Each dynbatch graph that autograd can differentiate is called through
-``_RegionFunction``: its forward runs the compiled graph on detached aliases of
+A dynbatch graph that autograd can differentiate is a ``Program``: a function
+of its differentiable inputs (and the rest), compiled.  Each call goes through
+``_ProgramFunction``: its forward runs the compiled code on detached aliases of
 the differentiable inputs with grad enabled, so AOTAutograd's own backward
 hangs off those aliases (the "inner graph", kept alive by saved tensors, so
 ``retain_graph`` works and is freed with the outer node).  Its backward picks a
@@ -19,13 +20,24 @@ path by what it receives:
 - plain grads: AOTAutograd's compiled backward (the inner graph);
 - batched grads from eager's ``is_grads_batched`` (the legacy vmap): the
   batch dim is unwrapped, and a dynbatch-compiled batched backward of the same
-  graph (recompute the forward, one vmapped backward, B symbolic) runs once;
-- ``create_graph=True``, or batched grads from ``torch.func.vmap``: the
-  captured Dynamo graph is re-run eagerly on the saved inputs and
-  differentiated with eager's autograd (correct to any order; logged);
+  program (recompute the forward, one vmapped backward, B symbolic) runs once;
+- ``create_graph=True`` with plain grads: the program's vjp, itself a program
+  compiled by dynbatch (recompute the forward, then the grad with
+  ``create_graph=True``, in one graph), whose result is differentiable through
+  the same machinery: any order runs compiled (NOTE [Compiled create_graph]);
+- batched grads from ``torch.func.vmap``, and ``create_graph=True`` where the
+  compiled vjp does not apply (batched or dual grads, a functorch transform
+  active, a vjp that failed to compile): the program is re-run eagerly on the
+  saved inputs and differentiated with eager's autograd (correct to any order;
+  logged);
 - a graph that draws random numbers cannot be re-run (a recompute redraws
   them): batched grads loop over the inner graph per sample, and
   ``create_graph=True`` raises an error that says so.
+
+Every path computes grads only for the inputs this backward call uses
+(NOTE [Only the grads a backward uses]); a region asked for the grads of a
+one-element output with ``create_graph=True`` computes them in its forward from
+then on (NOTE [Forces at forward time]).
 
 Regions whose graph mutates an input that requires grad keep AOTAutograd's
 own autograd (it rebases the input's history, which a detached alias cannot);
@@ -35,6 +47,8 @@ there, only the plain path exists and the others raise.
 from __future__ import annotations
 
 import logging
+import threading
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -46,8 +60,10 @@ from .records import STATS
 log = logging.getLogger("dynbatch")
 
 # Counter names (dynbatch.counters()): which path a backward from outside took.
-PLAIN, BATCHED, EAGER, LOOP = (
-    "outside_plain", "outside_batched_compiled", "outside_eager", "outside_per_sample")
+PLAIN, BATCHED, VJP, EAGER, LOOP = (
+    "outside_plain", "outside_batched_compiled", "outside_vjp_compiled", "outside_eager", "outside_per_sample")
+# ... a create_graph backward answered by the grads computed at forward time
+FORWARD_GRADS = "outside_grads_at_forward"
 # ... and calls that ran the captured graph eagerly (forward-mode tangents, batched inputs).
 EAGER_CALL = "eager_calls"
 
@@ -65,23 +81,40 @@ class Region:
         random_ops: Sequence[str] = (),
         mutates_differentiable_input: bool = False,
     ) -> None:
-        # Dynamo's graph: re-run eagerly, or traced again for a batched backward.
+        # Dynamo's graph: re-run eagerly, or traced again for a compiled backward.
         self.gm = _compat.realized_graph_module(gm)
         self.compiled = compiled
+        # Inputs the graph calls requires_grad_() on: set on the real tensors at each call.
+        self.sets_requires_grad = _compat.inputs_given_requires_grad(self.gm)
         self.diff_args = tuple(
             i for i, a in enumerate(example_inputs)
-            if isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled()
+            if isinstance(a, torch.Tensor) and (a.requires_grad or i in self.sets_requires_grad)
+            and torch.is_grad_enabled()
         )
         self.is_input = tuple(i in self.diff_args for i in range(len(example_inputs)))
         self.n_outputs = _compat.graph_output_count(self.gm)
-        self.random_ops = tuple(random_ops)
         self.mutates_differentiable_input = mutates_differentiable_input
-        self._recompile = recompile  # fn -> dynbatch-compiled fn, with this graph's options
-        self._batched_backwards: dict[tuple[int, ...], Callable] = {}
-        self._batched_failed: dict[tuple[int, ...], str] = {}
+        is_input = self.is_input
+        self.program = Program(
+            _graph_program(self.gm, is_input), recompile, "region",
+            compiled=lambda inputs, others: compiled(*_merge(is_input, inputs, others)),
+            random_ops=tuple(random_ops), region=self)
+        # The forward that also returns the grads a create_graph backward asked for
+        # (NOTE [Forces at forward time]); None until one has.
+        self.with_grads: Program | None = None
         self._logged: set[str] = set()
 
+    @property
+    def random_ops(self) -> tuple[str, ...]:
+        return self.program.random_ops
+
     def __call__(self, *args: Any) -> Any:
+        for i in self.sets_requires_grad:
+            args[i].requires_grad_(True)
+        if _CALLER_ALIASES.active:
+            # A program's own call (_ProgramFunction.forward): it differentiates the result.
+            _CALLER_ALIASES.active = False
+            return self.compiled(*args)
         reason = _why_run_eagerly(args)
         if reason is not None:
             self._log_once(reason, "dynbatch: running a compiled graph eagerly: %s", reason)
@@ -91,41 +124,27 @@ class Region:
             return self.compiled(*args)
         if self.mutates_differentiable_input:
             return _first_order_only(self, self.compiled(*args))
-        return _RegionFunction.apply(self, *args)
+        inputs = [args[i] for i in self.diff_args]
+        others = [a for i, a in enumerate(args) if not self.is_input[i]]
+        if self.with_grads is not None and self.with_grads.missed:
+            self.with_grads = None
+        if self.with_grads is not None:
+            try:
+                return self.with_grads(inputs, others)[:self.n_outputs]
+            except Exception as e:  # noqa: BLE001 - the plain forward below is always right
+                log.warning("dynbatch: compiling a forward that returns its grads failed, running the "
+                            "graph alone: %s: %s", type(e).__name__, e)
+                self.with_grads = None
+        return self.program(inputs, others)
 
-    # --- the backward paths (NOTE [Region backward]) ---------------------------------
-
-    def recompute_backward(self, inputs, others, out_grads, *, create_graph: bool):
-        """Re-run the captured graph eagerly and differentiate it: eager's answer."""
-        if self.random_ops:
-            raise RuntimeError(
-                "dynbatch: this compiled graph draws random numbers "
-                f"({', '.join(self.random_ops)}), so its backward cannot be re-run to give a "
-                "differentiable (create_graph=True) or vmapped gradient; compute this grad "
-                "outside torch.compile, or make the random op deterministic (e.g. eval mode)")
-        # Differentiating w.r.t. the saved inputs themselves stops at them; no
-        # detached copy (requires_grad_() is refused under torch.func transforms).
-        with torch.enable_grad():
-            outs = self.gm(*_merge(self.is_input, inputs, others))
-            pairs = [(outs[i], g) for i, g in out_grads]
-            return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                       create_graph=create_graph, allow_unused=True)
-
-    def batched_backward(self, inputs, others, out_grads):
-        """One dynbatch-compiled batched backward of this graph; physical [B, ...] grads."""
-        key = tuple(i for i, _ in out_grads)
-        fn = self._batched_backwards.get(key)
-        if fn is None:
-            receives = tuple(i in key for i in range(self.n_outputs))
-            fn = self._batched_backwards[key] = self._recompile(
-                _batched_backward_of(self.gm, self.is_input, receives))
-        # Detached inputs that do not require grad make the batched backward an
-        # inference graph (no second autograd layer around it) where Dynamo can
-        # trace requires_grad_() inside it (torch 2.12+).
-        leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
-            lambda t: t.detach().requires_grad_())
-        with torch.enable_grad():
-            return fn([leaf(t) for t in inputs], list(others), [g for _, g in out_grads])
+    def learn_grads_at_forward(self, out_grads, needed) -> None:
+        """After a create_graph backward that one output of one element received:
+        compute those grads in the forward from now on (NOTE [Forces at forward time])."""
+        if len(out_grads) != 1 or out_grads[0][1].numel() != 1:
+            return
+        (index, _), = out_grads
+        self.with_grads = Program(_with_grads_of(self.program.python, index, needed), self.program.recompile,
+                                  "forward_with_grads", linear=(index, needed, self.n_outputs))
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:
@@ -133,29 +152,184 @@ class Region:
             log.info(msg, *args)
 
 
-def _batched_backward_of(gm: torch.fx.GraphModule, is_input: tuple[bool, ...], receives: tuple[bool, ...]):
-    """The function dynbatch compiles for a batched backward of ``gm``.
+# NOTE [Compiled create_graph]
+# A backward with create_graph=True must return grads that autograd can
+# differentiate again.  AOTAutograd's compiled backward is first-order, so a
+# program answers with another program: ``vjp(inputs + cotangents, others)``,
+# which recomputes the forward and takes the grad with create_graph=True,
+# compiled by dynbatch as one graph.  It runs through ``_ProgramFunction`` like
+# any program, so its result is differentiable in turn: a plain backward runs
+# the vjp's own compiled (AOTAutograd) backward, another create_graph=True
+# backward compiles the vjp of the vjp, so every order runs compiled.  A batched
+# backward is the same construction with ``is_grads_batched=True``.
 
-    Dynamo caches compiled code per code object: each region gets a code
-    object of its own, so regions neither share a cache (and its recompile
-    limit) nor make each other's closure values symbolic.  The closure holds
-    masks of bools, which Dynamo keeps as constants in any case (closure ints
-    that differ between calls become SymInts, which it mis-traced in ``in``
-    tests and indexing).
-    """
-    def batched_backward(inputs, others, cotangents):
-        inputs = [t if t.requires_grad else t.detach().requires_grad_() for t in inputs]
-        outs = gm(*_merge(is_input, inputs, others))
-        return torch.autograd.grad([o for o, r in zip(outs, receives) if r], inputs, cotangents,
-                                   is_grads_batched=True, allow_unused=True)
+class Program:
+    """``python(inputs, others) -> outputs``, differentiable w.r.t. ``inputs``;
+    ``compiled`` is the same function compiled (by dynbatch, on first use)."""
 
-    _batched_backward_of.made += 1
-    batched_backward.__code__ = batched_backward.__code__.replace(
-        co_name=f"batched_backward_{_batched_backward_of.made}")
-    return batched_backward
+    def __init__(self, python: Callable, recompile: Callable[[Callable], Callable], name: str, *,
+                 compiled: Callable | None = None, random_ops: tuple[str, ...] = (), region: Region | None = None,
+                 linear: tuple[int, tuple[bool, ...], int] | None = None) -> None:
+        self.python, self.name, self.recompile = python, name, recompile
+        self._compiled = compiled
+        self.random_ops = random_ops
+        self.region = region  # the region whose own graph this is, if any
+        # (output, inputs, first grad): the outputs from "first grad" on are that
+        # output's grads w.r.t. those inputs for a cotangent of ones.
+        self.linear = linear
+        self.missed = False  # a backward did not use those grads
+        self.failed: str | None = None  # why compiling it failed, if it did
+        self._vjps: dict[tuple, Program] = {}
+
+    @property
+    def compiled(self) -> Callable:
+        if self._compiled is None:
+            self._compiled = self.recompile(_own_code(self.python, self.name))
+        return self._compiled
+
+    def vjp(self, receives: tuple[bool, ...], needed: tuple[bool, ...], *, batched: bool = False) -> Program:
+        """The program of this one's vjp: cotangents for the outputs in ``receives``,
+        grads for the inputs in ``needed``; batched (``is_grads_batched``, the
+        cotangents [B, ...]) or differentiable (``create_graph``)."""
+        key = (receives, needed, batched)
+        if key not in self._vjps:
+            self._vjps[key] = Program(_vjp_of(self.python, receives, needed, batched), self.recompile,
+                                      "batched_backward" if batched else "vjp")
+        return self._vjps[key]
+
+    def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any]) -> tuple:
+        return _ProgramFunction.apply(self, len(inputs), *_non_leaf([*inputs, *others], range(len(inputs))))
+
+    def refuse_rerun_if_random(self) -> None:
+        if self.random_ops:
+            raise RuntimeError(
+                "dynbatch: this compiled graph draws random numbers "
+                f"({', '.join(self.random_ops)}), so its backward cannot be re-run to give a "
+                "differentiable (create_graph=True) or vmapped gradient; compute this grad "
+                "outside torch.compile, or make the random op deterministic (e.g. eval mode)")
+
+    def eager_backward(self, inputs, others, out_grads, needed, *, create_graph: bool):
+        """Re-run the program eagerly and differentiate it: eager's answer."""
+        self.refuse_rerun_if_random()
+        # Differentiating w.r.t. the saved inputs themselves stops at them; no
+        # detached copy (requires_grad_() is refused under torch.func transforms).
+        with torch.enable_grad():
+            outs = self.python(inputs, others)
+            grads = torch.autograd.grad([outs[k] for k, _ in out_grads], _select(inputs, needed),
+                                        [g for _, g in out_grads], create_graph=create_graph, allow_unused=True)
+        return _spread(grads, needed)
+
+    def compiled_backward(self, inputs, others, out_grads, needed, *, batched: bool):
+        """A compiled vjp (differentiable) or batched backward; None where it failed to compile."""
+        receives = tuple(any(k == i for i, _ in out_grads) for k in range(_max_out(out_grads)))
+        vjp = self.vjp(receives, needed, batched=batched)
+        if vjp.failed:
+            return None
+        cotangents = [g for _, g in out_grads]
+        try:
+            if not batched:
+                return _spread(vjp([*inputs, *cotangents], others), needed)
+            # Detached inputs that do not require grad make the batched backward an
+            # inference graph (no second autograd layer around it) where Dynamo can
+            # trace requires_grad_() inside it (torch 2.12+).
+            leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
+                lambda t: t.detach().requires_grad_())
+            with torch.enable_grad():
+                return _spread(vjp.compiled([*(leaf(t) for t in inputs), *cotangents], list(others)), needed)
+        except Exception as e:  # noqa: BLE001 - the eager path is always right
+            vjp.failed = f"{type(e).__name__}: {e}"
+            log.warning("dynbatch: compiling the %s of a compiled graph failed, using an eager backward "
+                        "instead: %s", vjp.name, vjp.failed)
+            return None
 
 
-_batched_backward_of.made = 0
+def _max_out(out_grads) -> int:
+    return max(i for i, _ in out_grads) + 1
+
+
+def _graph_program(gm: torch.fx.GraphModule, is_input: tuple[bool, ...]) -> Callable:
+    def region(inputs, others):
+        return tuple(gm(*_merge(is_input, inputs, others)))
+
+    return region
+
+
+def _vjp_of(program: Callable, receives: tuple[bool, ...], needed: tuple[bool, ...], batched: bool) -> Callable:
+    """The closure holds masks of bools, which Dynamo keeps as constants (closure
+    ints that differ between calls become SymInts, which it mis-traced in ``in``
+    tests and indexing)."""
+    def vjp(tensors, others):
+        inputs, cotangents = tensors[:len(needed)], tensors[len(needed):]
+        if batched:  # inputs arrive detached (an inference graph): only the needed ones require grad
+            inputs = [t.detach().requires_grad_() if n and not t.requires_grad else t for t, n in zip(inputs, needed)]
+        outs = program(inputs, others)
+        return torch.autograd.grad([o for o, r in zip(outs, receives) if r], _select(inputs, needed), cotangents,
+                                   is_grads_batched=batched, create_graph=not batched, allow_unused=True)
+
+    return vjp
+
+
+def _with_grads_of(program: Callable, index: int, needed: tuple[bool, ...]) -> Callable:
+    def forward_with_grads(inputs, others):
+        outs = program(inputs, others)
+        grads = torch.autograd.grad(outs[index], _select(inputs, needed), torch.ones_like(outs[index]),
+                                    create_graph=True, allow_unused=True)
+        return (*outs, *grads)
+
+    return forward_with_grads
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """``fn`` with a code object of its own: Dynamo caches compiled code (and
+    counts recompiles) per code object, so programs -- and regions -- neither
+    share a cache nor make each other's closure values symbolic."""
+    _own_code.made += 1
+    return types.FunctionType(fn.__code__.replace(co_name=f"{name}_{_own_code.made}"), fn.__globals__,
+                              closure=fn.__closure__)
+
+
+_own_code.made = 0
+
+
+# NOTE [Only the grads a backward uses]
+# A region's differentiable inputs are often a model's parameters as well as
+# its data; a Jacobian w.r.t. the data must not compute B batched grads of
+# every weight.  Autograd knows which nodes the running backward will execute
+# (torch._C._will_engine_execute_node on the edges out of our node), but it
+# refuses to answer for a leaf under torch.autograd.grad, whose capture sits on
+# the leaf's edge.  So leaves enter a program through a view: its node is
+# executed exactly when the leaf's grad is wanted.  Compiled backwards are
+# cached per set of needed inputs.
+
+def _non_leaf(args: Sequence[Any], positions: Sequence[int]) -> Sequence[Any]:
+    """``args`` with each leaf that requires grad at ``positions`` behind a view."""
+    def is_leaf(a):
+        return isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None
+
+    if not any(is_leaf(args[i]) for i in positions):
+        return args
+    args = list(args)
+    for i in positions:
+        if is_leaf(args[i]):
+            args[i] = args[i].view_as(args[i])
+    return args
+
+
+def _needed(ctx, edges: Sequence[int]) -> tuple[bool, ...]:
+    """Which of the node's edges (one per tensor argument of its forward) this
+    backward call will use."""
+    nodes = [node for node, _ in ctx.next_functions]
+    return tuple(nodes[e] is not None and _compat.engine_will_execute(nodes[e]) for e in edges)
+
+
+def _select(items: Sequence[Any], mask: tuple[bool, ...]) -> list[Any]:
+    return [t for t, m in zip(items, mask) if m]
+
+
+def _spread(values: Sequence[Any], mask: tuple[bool, ...]) -> tuple[Any, ...]:
+    """The inverse of ``_select``: None where the mask is off."""
+    it = iter(values)
+    return tuple(next(it) if m else None for m in mask)
 
 
 def _merge(is_input: tuple[bool, ...], inputs: Sequence[Any], others: Sequence[Any]) -> list[Any]:
@@ -182,95 +356,176 @@ def _why_run_eagerly(args: Sequence[Any]) -> str | None:
     return None
 
 
-class _RegionFunction(torch.autograd.Function):
+class _CallerAliases(threading.local):
+    """Set while ``_ProgramFunction`` calls a program compiled by Dynamo: the
+    region Dynamo hands the call to returns the compiled outputs as they are,
+    since the program's own node differentiates them (one autograd layer, not two)."""
+
+    active = False
+
+
+_CALLER_ALIASES = _CallerAliases()
+
+
+class _ProgramFunction(torch.autograd.Function):
+    """A program's outputs, differentiable w.r.t. the caller's tensors.
+
+    Dynamo refuses a grad w.r.t. an input whose history lies outside the frame,
+    and AOTAutograd's outputs must not reach the caller's graph directly (their
+    backward is first-order and unbatched), so the program runs on leaves that
+    alias the inputs; the backward picks a path (NOTE [Region backward]).
+    """
+
     @staticmethod
-    def forward(ctx, region: Region, *args: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        inner_args = list(args)
-        for i in region.diff_args:
-            inner_args[i] = args[i].detach().requires_grad_()
-        with torch.enable_grad():
-            outs = tuple(region.compiled(*inner_args))
-        diff_outs = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
-        others = [a for i, a in enumerate(args) if i not in region.diff_args]
-        ctx.region, ctx.n_args, ctx.diff_outs = region, len(args), diff_outs
-        ctx.n_diff = len(region.diff_args)
-        ctx.other_tensor_idx = [k for k, a in enumerate(others) if isinstance(a, torch.Tensor)]
+    def forward(ctx, program, n_inputs, *args):  # type: ignore[override]
+        inputs, others = args[:n_inputs], list(args[n_inputs:])
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        _CALLER_ALIASES.active = program.region is None
+        try:
+            with torch.enable_grad():
+                outs = tuple(program.compiled(leaves, others))
+        finally:
+            _CALLER_ALIASES.active = False
+        diff = tuple(k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        ctx.program, ctx.diff, ctx.n = program, diff, n_inputs
+        ctx.other_tensors = [k for k, a in enumerate(others) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in others]
-        # Saved, not kept on ctx: autograd frees them (and with them the inner graph)
-        # when this node is released, and checks them for in-place changes.
-        ctx.save_for_backward(
-            *(args[i] for i in region.diff_args),
-            *(inner_args[i] for i in region.diff_args),
-            *(outs[i] for i in diff_outs),
-            *(others[k] for k in ctx.other_tensor_idx),
-        )
         ctx.set_materialize_grads(False)
-        result = tuple(o.detach() if i in diff_outs else o for i, o in enumerate(outs))
-        ctx.mark_non_differentiable(*(o for i, o in enumerate(result)
-                                      if isinstance(o, torch.Tensor) and i not in diff_outs))
+        result = tuple(o.detach() if k in diff else o for k, o in enumerate(outs))
+        ctx.mark_non_differentiable(*(o for k, o in enumerate(result)
+                                      if isinstance(o, torch.Tensor) and k not in diff))
+        # Saved, not kept on ctx: autograd frees them (and with them the inner graph)
+        # when this node is released, and checks them for in-place changes.  The
+        # grads computed at forward time are saved as outputs: a create_graph
+        # backward returns them scaled, with this node as their history.
+        ctx.first_grad = program.linear[2] if program.linear else len(outs)
+        ctx.save_for_backward(*inputs, *leaves, *(outs[k] for k in diff),
+                              *(others[k] for k in ctx.other_tensors), *result[ctx.first_grad:])
         return result
 
     @staticmethod
     @_compat.dynamo_disable
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        region, n = ctx.region, ctx.n_diff
-        saved = ctx.saved_tensors
-        originals, aliases = saved[:n], saved[n:2 * n]
-        inner_outs = saved[2 * n:2 * n + len(ctx.diff_outs)]
+    def backward(ctx, *grads):
+        saved, n, program = ctx.saved_tensors, ctx.n, ctx.program
+        inputs, leaves = saved[:n], saved[n:2 * n]
+        rest = saved[2 * n:]
+        inner = dict(zip(ctx.diff, rest[:len(ctx.diff)]))
+        rest = rest[len(ctx.diff):]
         others = list(ctx.others)
-        for k, t in zip(ctx.other_tensor_idx, saved[2 * n + len(ctx.diff_outs):]):
+        for k, t in zip(ctx.other_tensors, rest):
             others[k] = t
-        out_grads = [(i, grads[i]) for i in ctx.diff_outs if grads[i] is not None]
-        if not out_grads:
-            return (None,) * (1 + ctx.n_args)
-        input_grads = _dispatch_backward(region, originals, aliases, others, inner_outs,
-                                         ctx.diff_outs, out_grads)
-        result: list[torch.Tensor | None] = [None] * ctx.n_args
-        for i, g in zip(region.diff_args, input_grads):
-            result[i] = g
-        return (None, *result)
+        forward_grads = rest[len(ctx.other_tensors):]
+        out_grads = [(k, grads[k]) for k in ctx.diff if grads[k] is not None]
+        needed = _needed(ctx, range(n))
+        if not out_grads or not any(needed):
+            return (None, None, *(None,) * len(ctx.others))
+        grads_in = _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads,
+                             ctx.first_grad)
+        return (None, None, *grads_in, *(None,) * len(ctx.others))
 
 
-def _dispatch_backward(region, originals, aliases, others, inner_outs, diff_outs, out_grads):
+def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad):
     """Pick the path for one backward call (NOTE [Region backward])."""
-    inner = dict(zip(diff_outs, inner_outs))
-    batching = _compat.batching_of([g for _, g in out_grads])
+    cotangents = [g for _, g in out_grads]
+    batching = _compat.batching_of(cotangents)
+    if program.linear is not None:
+        grads = _grads_from_forward(program, out_grads, needed, batching, forward_grads)
+        if grads is not None:
+            return grads
+        # Asked for other grads, or a plain backward that left them unused.
+        program.missed = program.missed or torch.is_grad_enabled() or all(k < first_grad for k, _ in out_grads)
     if torch.is_grad_enabled():
-        region._log_once("create_graph", "dynbatch: create_graph=True through a compiled graph: "
-                         "re-running it eagerly for a differentiable backward")
-        STATS.count(EAGER)
-        return region.recompute_backward(originals, others, out_grads, create_graph=True)
+        return _create_graph_backward(program, inputs, others, out_grads, needed, batching)
+
     def inner_backward(grads):
         # retain_graph=True: the user's retain_graph is unknown here, so the inner graph
         # is freed with this node instead.  AOTAutograd checks its *global* donated_buffer
         # config when a backward retains the graph; dynbatch compiled this graph with
         # donated buffers off (lowering.py), so the check does not apply to it.
-        with _compat.aot_config_patch(donated_buffer=False):
-            return torch.autograd.grad([inner[i] for i, _ in out_grads], aliases, grads,
-                                       retain_graph=True, allow_unused=True)
+        with _compat.donated_buffers_off():
+            return _spread(torch.autograd.grad([inner[k] for k, _ in out_grads], _select(leaves, needed), grads,
+                                               retain_graph=True, allow_unused=True), needed)
 
     if batching is None:
         STATS.count(PLAIN)
-        return inner_backward([g for _, g in out_grads])
-    if region.random_ops and batching.kind != "nested":
+        return inner_backward(cotangents)
+    if program.random_ops and batching.kind != "nested":
         STATS.count(LOOP)
         return _per_sample(batching, out_grads, inner_backward)
     if batching.kind == "legacy":
-        key = tuple(i for i, _ in out_grads)
-        if key not in region._batched_failed:
-            try:
-                with batching.unwrapped(out_grads) as (physical, _, rewrap):
-                    grads = region.batched_backward(originals, others, physical)
-                STATS.count(BATCHED)
-                return rewrap(grads)
-            except Exception as e:  # noqa: BLE001 - the eager path below is always right
-                region._batched_failed[key] = f"{type(e).__name__}: {e}"
-                log.warning("dynbatch: compiling the batched backward of a compiled graph failed, "
-                            "using an eager backward instead: %s", region._batched_failed[key])
-    region._log_once("batched", "dynbatch: batched grads through a compiled graph (%s vmap): "
-                     "re-running it eagerly for the backward", batching.kind)
+        with batching.unwrapped(out_grads) as (physical, _, rewrap):
+            grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
+        if grads is not None:
+            STATS.count(BATCHED)
+            return rewrap(grads)
+    _log_once(program, "batched", "dynbatch: batched grads through a compiled graph (%s vmap): "
+              "re-running it eagerly for the backward", batching.kind)
     STATS.count(EAGER)
-    return region.recompute_backward(originals, others, out_grads, create_graph=False)
+    return program.eager_backward(inputs, others, out_grads, needed, create_graph=False)
+
+
+def _create_graph_backward(program, inputs, others, out_grads, needed, batching):
+    """``create_graph=True``: the compiled vjp where it applies, else the eager re-run."""
+    program.refuse_rerun_if_random()
+    reason = _why_vjp_runs_eagerly(batching, inputs, out_grads)
+    if reason is None:
+        grads = program.compiled_backward(inputs, others, out_grads, needed, batched=False)
+        if grads is not None:
+            STATS.count(VJP)
+            if program.region is not None:
+                program.region.learn_grads_at_forward(out_grads, needed)
+            return grads
+        reason = "its compiled vjp failed"
+    _log_once(program, f"create_graph: {reason}", "dynbatch: create_graph=True through a compiled graph: "
+              "re-running it eagerly for a differentiable backward (%s)", reason)
+    STATS.count(EAGER)
+    return program.eager_backward(inputs, others, out_grads, needed, create_graph=True)
+
+
+def _why_vjp_runs_eagerly(batching, inputs, out_grads) -> str | None:
+    """A compiled vjp sees plain tensors only (as a region's forward does)."""
+    if batching is not None:
+        return f"the grads are batched ({batching.kind} vmap)"
+    if _compat.functorch_transform_active():
+        return "a torch.func transform is active"
+    return _why_run_eagerly([*inputs, *(g for _, g in out_grads)])
+
+
+def _log_once(program, key, msg, *args) -> None:
+    if program.region is not None:
+        program.region._log_once(key, msg, *args)
+    else:
+        log.debug(msg, *args)
+
+
+# NOTE [Forces at forward time]
+# Force-field training takes F = -dE/dpos with create_graph=True outside the
+# compiled model, then differentiates a loss of E and F.  Answering with the
+# compiled vjp costs the forward twice and two compiled backwards (the model's,
+# for E, and the vjp's, for F).  A vjp is linear in its cotangent, so for an
+# output of one element it is that cotangent times the vjp of ones.  Once a
+# create_graph backward has asked a region for the grads of such an output, the
+# region's later forwards run one program that returns the outputs and those
+# grads (for a cotangent of ones), and the create_graph backward returns them
+# scaled: they are outputs of the same autograd node as E, so the loss's
+# backward reaches that node once, with grads for E and F together, and runs
+# one compiled backward -- the structure of the whole step compiled.  A
+# backward that does not match (another output, other inputs, or a plain
+# backward that leaves the grads unused) takes the general paths, and the
+# region stops computing grads at forward time until asked again.
+
+def _grads_from_forward(program, out_grads, needed, batching, forward_grads):
+    """The create_graph backward from the grads computed at forward time, or None."""
+    index, computed, _ = program.linear
+    if (not torch.is_grad_enabled() or len(out_grads) != 1 or out_grads[0][0] != index
+            or any(n and not c for n, c in zip(needed, computed))):
+        return None
+    if _why_vjp_runs_eagerly(batching, (), out_grads) is not None:
+        return None
+    STATS.count(FORWARD_GRADS)
+    scale = out_grads[0][1].reshape(())
+    return tuple(g * scale if n and g is not None else None
+                 for n, g in zip(needed, _spread(forward_grads, computed)))
 
 
 def _per_sample(batching, out_grads, grad_fn):
@@ -310,4 +565,3 @@ class _FirstOrderOnly(torch.autograd.Function):
                 "its backward is first-order and unbatched only; create_graph=True or batched "
                 "grad_outputs need the mutation outside torch.compile")
         return grads
-

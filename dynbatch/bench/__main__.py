@@ -10,9 +10,12 @@ from pathlib import Path
 
 import torch
 
-from . import measure, plots, report, runner
+from . import measure, plots, report, runner, training
 from .variants import CUDA_ONLY, VARIANTS
 from .workloads import ATOM_WORKLOADS, TIERS, WORKLOADS
+
+# The batched-grad workloads, then the training step (columns of its own: training.py).
+ALL_WORKLOADS = [*WORKLOADS, *training.WORKLOADS]
 
 
 def _names(text: str, known, what: str) -> tuple[str, ...]:
@@ -40,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "stock torch.compile, compiled torch.func, dynbatch and JAX, in one run.",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--workloads", type=lambda t: _names(t, list(WORKLOADS), "workload(s)"),
-                        default=tuple(WORKLOADS), help=f"comma list, default all: {','.join(WORKLOADS)}")
+    parser.add_argument("--workloads", type=lambda t: _names(t, ALL_WORKLOADS, "workload(s)"),
+                        default=tuple(ALL_WORKLOADS), help=f"comma list, default all: {','.join(ALL_WORKLOADS)}")
     parser.add_argument("--variants", type=lambda t: _names(t, list(VARIANTS), "variant(s)"),
                         default=None, help=f"comma list of columns, default all ({','.join(VARIANTS)}), "
                                            f"less {','.join(CUDA_ONLY)} on the CPU")
@@ -49,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma list of B for the sweep workload and the free-B workloads "
                              "(gelu_vjp, attention, hessian HVP probes); Jacobian workloads keep B = output size")
     parser.add_argument("--atoms", type=lambda t: _sizes(t, "--atoms", 2), default=None,
-                        help=f"comma list of atom counts N for {', '.join(ATOM_WORKLOADS)} (B = 3N), "
+                        help=f"comma list of atom counts N for {', '.join(ATOM_WORKLOADS)} (B = 3N) "
+                             "and force_training, "
                              "replacing the size tier's")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and short timing budgets (the CI smoke test, about 2 minutes on 2 cores)")
@@ -135,7 +139,10 @@ def main(argv=None) -> int:
     paths = report.write(results, args.out)
     paths.update(plots.write(results, args.out))
     notes = report.Footnotes()
-    print(report.time_table(results, notes))
+    if results["problems"]:
+        print(report.time_table(results, notes))
+    if results.get("training"):
+        print(report.training_table(results, notes))
     if notes.notes:
         print(notes.markdown())
     for name, path in paths.items():

@@ -4,7 +4,9 @@
 - ``compile_vs_batch.png``: first-call time (compile included) against B, same panels;
 - ``memory_vs_batch.png``: peak memory per call against B, same panels, with
   ``dynbatch_budget``'s budget and the memory available drawn as lines;
-- ``speedup.png``: each column's speedup over ``eager_batched``, per case.
+- ``speedup.png``: each column's speedup over ``eager_batched``, per case;
+- ``training.png``: force_training's time per step of each column against N, one
+  panel per model.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .report import REFERENCE, columns, figure, ok, same_memory_method
+from .training import COLUMNS as TRAINING_COLUMNS
 from .variants import TIGHT_BUDGET
 
 MARKERS = "osD^v<>p*h"
@@ -155,19 +158,51 @@ def speedup(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def training(results: dict[str, Any], path: Path) -> Path:
+    """force_training: time per step against N, a line per column, a panel per model."""
+    plt = _pyplot()
+    problems = results["training"]
+    cols = list(TRAINING_COLUMNS)
+    colors = _colors(cols)
+    fig, axes = _panels(len(problems))
+    for ax, problem in zip(axes, problems):
+        for k, v in enumerate(cols):
+            points = [(int(c["label"].split()[0][2:]), figure(c, v, "median_s")) for c in problem["cases"]]
+            points = [(n, t) for n, t in points if t]
+            if points:
+                ax.plot(*zip(*points), marker=MARKERS[k % len(MARKERS)], color=colors[v], label=v)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(problem["problem"], fontsize=9)
+        ax.set_xlabel("atoms N")
+        ax.set_ylabel("time per training step (s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Training with forces — {results['meta']['device_name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = results["meta"]["device_name"]
-    return {
-        "time_vs_batch": against_batch(results, "median_s", "median time per call (s)",
-                                       f"Steady-state time vs batch size — {device}",
-                                       out_dir / "time_vs_batch.png", with_floor=True),
-        "compile_vs_batch": against_batch(results, "first_call_s", "first call (s)",
-                                          f"First call, compile included, vs batch size — {device}",
-                                          out_dir / "compile_vs_batch.png"),
-        "memory_vs_batch": memory_vs_batch(results, out_dir / "memory_vs_batch.png"),
-        "speedup": speedup(results, out_dir / "speedup.png"),
-    }
+    paths = {}
+    if results["problems"]:
+        paths = {
+            "time_vs_batch": against_batch(results, "median_s", "median time per call (s)",
+                                           f"Steady-state time vs batch size — {device}",
+                                           out_dir / "time_vs_batch.png", with_floor=True),
+            "compile_vs_batch": against_batch(results, "first_call_s", "first call (s)",
+                                              f"First call, compile included, vs batch size — {device}",
+                                              out_dir / "compile_vs_batch.png"),
+            "memory_vs_batch": memory_vs_batch(results, out_dir / "memory_vs_batch.png"),
+            "speedup": speedup(results, out_dir / "speedup.png"),
+        }
+    if results.get("training"):
+        paths["training"] = training(results, out_dir / "training.png")
+    return paths
 
 
 def memory_vs_batch(results: dict[str, Any], path: Path) -> Path:

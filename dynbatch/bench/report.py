@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from . import training
 from .variants import COMPILED, REFERENCE, VARIANTS
 
 OURS = "dynbatch"
@@ -186,6 +187,46 @@ def time_table(results, notes: Footnotes) -> str:
     return table(header, body)
 
 
+# --- the force_training workload (training.py) -----------------------------------------
+
+TRAINING_OURS = ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step")
+
+
+def training_table(results, notes: Footnotes) -> str:
+    """Each column's time per step, ×ratio to eager; dynbatch's columns over the whole
+    compiled step, and the whole step over JAX."""
+    cols = [c for c in training.COLUMNS if any(c in case["variants"] for p in results.get("training", [])
+                                                 for case in p["cases"])]
+    header = (["problem", "case"] + [f"{c} ms" for c in cols]
+              + [f"{c[len('dynbatch_'):]} / step" for c in TRAINING_OURS[:2]] + ["step / jax"])
+    body = []
+    for problem in results.get("training", []):
+        for case in problem["cases"]:
+            base = figure(case, training.REFERENCE, "median_s")
+
+            def render(case, v, base=base):
+                cell = case["variants"][v]
+                return (f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} "
+                        f"{fmt_ratio(ratio(cell['median_s'], base))}")
+
+            step = figure(case, "dynbatch_step", "median_s")
+            extra = [fmt_ratio(ratio(figure(case, c, "median_s"), step)) for c in TRAINING_OURS[:2]]
+            extra.append(fmt_ratio(ratio(step, figure(case, "jax", "median_s"))))
+            body.append([problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render) + extra)
+    return table(header, body)
+
+
+def training_cores_and_errors(results) -> str:
+    body = []
+    for problem in results.get("training", []):
+        for case in problem["cases"]:
+            cells = case["variants"]
+            body.append([problem["problem"], case["label"]] + [
+                (f"{fmt(cells[c].get('cores_used'))} / {fmt(cells[c].get('max_abs_err'))}" if ok(cells.get(c)) else "–")
+                for c in training.COLUMNS])
+    return table(["problem", "case"] + [f"{c} cores / err" for c in training.COLUMNS], body)
+
+
 def same_memory_method(meta: dict[str, Any]) -> Callable[[dict], bool]:
     """Cells whose peak memory was measured the run's way (JAX's sampled RSS is not comparable)."""
     return lambda cell: cell.get("mem_method", meta["memory_method"]) == meta["memory_method"]
@@ -332,6 +373,17 @@ def markdown(results: dict[str, Any]) -> str:
         "## Problems and floors",
         floors_list(results),
     ]
+    if results.get("training"):
+        parts += [
+            "## Training with forces (force_training)",
+            "Median time per training step, ± interquartile range, in ms; ×ratio to `eager`; the "
+            "dynbatch columns over `dynbatch_step` (the whole step compiled), and that over JAX.",
+            training_table(results, notes),
+            "Cores used while timed / max abs error of the parameter grads against eager:",
+            training_cores_and_errors(results),
+            "\n".join(f"- {p['problem']}: {p['description']}" for p in results["training"]),
+            "\n".join(f"- `{k}`: {v}" for k, v in training.DESCRIPTIONS.items()),
+        ]
     if notes.notes:
         parts += ["## Notes", notes.markdown()]
     parts += ["## Columns", "\n".join(f"- `{k}`: {v}" for k, v in meta["variant_descriptions"].items())]

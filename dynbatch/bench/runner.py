@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import dynbatch
 
-from . import measure, stock, variants, workloads
+from . import measure, stock, training, variants, workloads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +70,18 @@ def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambd
         dynbatch.register()
         results = {"meta": _meta(settings), "problems": []}
         stock_column = (stock.StockColumn(settings.stock_timeout_s, settings.threads)
-                        if "stock_compile" in settings.variants else None)
+                        if "stock_compile" in settings.variants
+                        and any(w not in training.WORKLOADS for w in settings.workloads) else None)
         bar = tqdm(total=0, unit="cell", disable=not settings.progress, dynamic_ncols=True, file=sys.stderr)
         try:
             if stock_column is not None:
                 bar.set_description("starting the stock-compile worker")
                 stock_column.start(wait=not settings.overlap_stock_start)
             for i, name in enumerate(settings.workloads):
+                if name in training.WORKLOADS:  # columns of its own: a training step, not a batched grad
+                    results.setdefault("training", []).extend(training.run(name, settings, bar))
+                    on_problem(results)
+                    continue
                 problems = workloads.build(name, settings.tier, settings.batch_sizes, settings.device,
                                            settings.atoms)
                 bar.total += sum(len(p.cases) * (len(settings.variants) + 1) for p in problems)
