@@ -8,6 +8,7 @@ torch version means editing this file only.  Tested: torch 2.11 - 2.14.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import functools
 import inspect
@@ -441,15 +442,22 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
                 return None
         return original_store(self, inst)
 
-    # Each translator class dispatches opcodes through a table built from its methods.
+    # Each translator class dispatches opcodes through a table built from its methods;
+    # torch 2.14's TensorVariable dispatches methods through its tp_methods table.
     tables = [t for t in _dispatch_tables(InstructionTranslatorBase) if t[_STORE_ATTR] is original_store]
+    methods = getattr(TensorVariable, "tp_methods", {})
+    original_entry = methods.get("requires_grad_")
     TensorVariable.method_requires_grad_ = method_requires_grad_
+    if original_entry is not None:
+        methods["requires_grad_"] = dataclasses.replace(original_entry, handler=method_requires_grad_)
     for table in tables:
         table[_STORE_ATTR] = STORE_ATTR
     try:
         yield
     finally:
         TensorVariable.method_requires_grad_ = original_method
+        if original_entry is not None:
+            methods["requires_grad_"] = original_entry
         for table in tables:
             table[_STORE_ATTR] = original_store
 

@@ -263,7 +263,11 @@ def _vjp_of(program: Callable, receives: tuple[bool, ...], needed: tuple[bool, .
         if batched:  # inputs arrive detached (an inference graph): only the needed ones require grad
             inputs = [t.detach().requires_grad_() if n and not t.requires_grad else t for t, n in zip(inputs, needed)]
         outs = program(inputs, others)
-        return torch.autograd.grad([o for o, r in zip(outs, receives) if r], _select(inputs, needed), cotangents,
+        # An output that depends on none of the needed inputs has nothing to give them.
+        pairs = [(o, c) for o, c in zip(_select(outs, receives), cotangents) if o.requires_grad]
+        if not pairs:
+            return (None,) * sum(needed)
+        return torch.autograd.grad([o for o, _ in pairs], _select(inputs, needed), [c for _, c in pairs],
                                    is_grads_batched=batched, create_graph=not batched, allow_unused=True)
 
     return vjp

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from dynbatch.bench import VARIANTS, WORKLOADS, runner, variants, workloads  # noqa: E402
+from dynbatch.bench import VARIANTS, WORKLOADS, runner, training, variants, workloads  # noqa: E402
 from dynbatch.bench.__main__ import main, parse_args, settings_from  # noqa: E402
 from dynbatch.bench.measure import memory_method, short_error  # noqa: E402
 from dynbatch.bench.problem import BatchedMemory  # noqa: E402
@@ -63,6 +63,29 @@ def test_every_workload_and_every_variant_per_case(quick_run):
     # the stock column's first batch size compiles and runs (later ones crash): timed over the pipe
     stock = [case["variants"]["stock_compile"] for problem in results["problems"] for case in problem["cases"]]
     assert any(cell["status"] == "ok" for cell in stock), [cell["status"] for cell in stock]
+
+
+def test_force_training_columns_match_eager_and_stock_compile_refuses(quick_run):
+    out, results = quick_run
+    problems = results["training"]
+    assert {p["problem"] for p in problems} == {"force_training/pair", "force_training/message_passing"}
+    for problem in problems:
+        for case in problem["cases"]:
+            cells = case["variants"]
+            assert set(cells) == set(training.COLUMNS), (problem["problem"], set(cells))
+            # the double backward stock torch.compile cannot do, recorded as its error
+            assert "double backward" in cells["stock_compile"]["status"], cells["stock_compile"]["status"]
+            scale = case["reference_max_abs"]
+            for column in ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step"):
+                cell = cells[column]
+                assert cell["status"] == "ok", (problem["problem"], column, cell["status"])
+                assert cell["timing"] == "interleaved" and cell["cores_used"] > 0
+                # float32 parameter grads of a second-order loss, against eager's
+                assert cell["max_abs_err"] <= 1e-4 * max(1.0, scale), (problem["problem"], column, cell)
+        # one graph per case at most: the model's graph, its vjp, the forward with forces
+        assert problem["graphs"]["dynbatch_model_in"] <= len(problem["cases"]), problem["graphs"]
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Training with forces (force_training)" in (out / "results.md").read_text()
 
 
 def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):

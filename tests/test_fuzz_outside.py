@@ -4,8 +4,11 @@ The random programs of test_fuzz.py (1-12 ops, 1-3 inputs with odd strides,
 1-3 outputs, some inputs unused, an output may be an input) are compiled with
 dynbatch as a whole -- the region -- and differentiated *outside* it by one of
 the APIs users reach for (``API``): plain and retained grads, batched grads,
-``create_graph`` and a second derivative of the result, batched grads with
-``create_graph``, ``functional.jacobian/hessian`` with and without
+``create_graph`` and a second derivative of the result (w.r.t. every input, or
+w.r.t. the first while the others, like parameters, also require grad), two
+force-training steps (``create_graph`` grads of an energy, then a loss's
+``backward()``), batched grads with ``create_graph``, batched grads of the first
+input alone, ``functional.jacobian/hessian`` with and without
 ``vectorize``, and torch.func's ``jacrev``/``vmap``-over-vjp.  The same API
 applied to the eager program is the oracle.  The property: the same values and
 the same Nones, and the region's backward really ran (dynbatch's ``outside_*``
@@ -70,6 +73,41 @@ def api_batched_create_graph(fn, xs, p):
     return first, second
 
 
+def api_create_graph_wrt_first(fn, xs, p):
+    # The other inputs require grad but are not asked for, as a model's parameters
+    # are in a force call: only the first input's grads may be computed, and the
+    # second derivative reaches every input through them.
+    outs = fn(*xs)
+    vs = [v[0] for v in p.cotangents(outs)]
+    (first,) = grad(outs, xs[0], vs, create_graph=True, allow_unused=True)
+    if first is None or not first.requires_grad:
+        return (first,), ()
+    return (first,), grad((first * first).sum(), xs, allow_unused=True)
+
+
+def api_batched_wrt_first(fn, xs, p):
+    outs = fn(*xs)
+    return grad(outs, xs[0], p.cotangents(outs), is_grads_batched=True, allow_unused=True)
+
+
+def api_force_training(fn, xs, p):
+    # Two steps of E, F = -dE/dx0 (create_graph), loss(E, F).backward(): the second
+    # step takes the grads the region computed in its forward.
+    ws = _weights(fn(*xs), p.seed)
+    energy = _energy(fn, ws)
+    steps = []
+    for _ in range(2):
+        for x in xs:
+            x.grad = None
+        e = energy(*xs)
+        (f,) = grad(e, xs[0], create_graph=True, allow_unused=True, materialize_grads=True)
+        loss = e + (f * f).sum()
+        if loss.requires_grad:
+            loss.backward()
+        steps.append(tuple(x.grad for x in xs))
+    return steps
+
+
 def api_jacobian(vectorize):
     def run(fn, xs, p):
         return AF.jacobian(fn, tuple(xs), vectorize=vectorize)
@@ -104,12 +142,18 @@ API = {
     "hessian_vectorize": api_hessian(True),
     "jacrev": api_jacrev,
     "vmap_vjp": api_vmap_vjp,
+    "create_graph_wrt_first": api_create_graph_wrt_first,
+    "batched_wrt_first": api_batched_wrt_first,
+    "force_training": api_force_training,
 }
 # torch.func runs compiled functions eagerly (Dynamo steps aside under functorch
 # transforms), so the region's backward is not reached: nothing to count there.
 NO_REGION_BACKWARD = {"jacrev"}
+WRT_FIRST = {"create_graph_wrt_first", "batched_wrt_first"}
 # Eager's batched grads through the region: its compiled batched backward must serve.
-COMPILED_BATCHED = {"batched", "jacobian_vectorize"}
+COMPILED_BATCHED = {"batched", "jacobian_vectorize", "batched_wrt_first"}
+# create_graph=True with plain grads: a compiled vjp (or the grads computed at forward time).
+COMPILED_CREATE_GRAPH = {"create_graph_second_order", "create_graph_wrt_first", "force_training", "hessian"}
 
 STATS = {"examples": 0, "calls": 0, **{name: 0 for name in API}}
 
@@ -128,12 +172,17 @@ def check(p: Program, api: str) -> None:
     assert_same_grads(tuple(flat_got), tuple(flat_want), msg=f"{api} {p!r}", **tol)
     counts = dynbatch.counters()
     assert not counts.get("fallbacks"), counts
-    if api not in NO_REGION_BACKWARD:
+    # Grads w.r.t. the first input alone: where no output depends on it, autograd
+    # (rightly) never runs the region's backward.
+    reaches_region = api not in WRT_FIRST or torch.utils._pytree.tree_leaves(want)[:1] != [None]
+    if api not in NO_REGION_BACKWARD and reaches_region:
         assert counts.get("graphs", 0) >= 1, counts
         assert any(k.startswith("outside_") for k in counts), (api, counts)
-    if api in COMPILED_BATCHED:
+    if api in COMPILED_BATCHED and reaches_region:
         # the batched backward compiled; the eager path is a fallback, not the plan
         assert counts.get("outside_batched_compiled") and not counts.get("outside_eager"), (api, counts)
+    if api in COMPILED_CREATE_GRAPH and (counts.get("outside_vjp_compiled") or counts.get("outside_eager")):
+        assert not counts.get("outside_eager"), (api, counts)
     STATS["examples"] += 1
     STATS[api] += 1
 

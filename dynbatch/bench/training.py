@@ -60,8 +60,15 @@ def _rbf(r: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
     return torch.exp(-_GAMMA * (r.unsqueeze(-1) - centres) ** 2)
 
 
+def _envelope(r: torch.Tensor) -> torch.Tensor:
+    """A smooth cutoff: 1 at r = 0, 0 (with its derivative) from the cutoff on, as in
+    learned potentials; it keeps E a sum over near neighbours (O(N), not O(N^2))."""
+    return 0.5 * (torch.cos(r.clamp(max=_CUTOFF) * (math.pi / _CUTOFF)) + 1)
+
+
 class PairPotential(nn.Module):
-    """E = sum over i < j of an MLP (8 -> 32 -> 32 -> 1, tanh) of Gaussian features of r_ij."""
+    """E = sum over i < j of an MLP (8 -> 32 -> 32 -> 1, tanh) of Gaussian features of r_ij,
+    times a smooth cutoff."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,7 +81,7 @@ class PairPotential(nn.Module):
         diff = pos.unsqueeze(1) - pos.unsqueeze(0)
         # + eye keeps the diagonal's distance (and its derivative) finite; the mask drops it.
         r = ((diff * diff).sum(-1) + torch.eye(n, dtype=pos.dtype, device=pos.device)).sqrt()
-        pair = self.mlp(_rbf(r, self.centres)).squeeze(-1)
+        pair = self.mlp(_rbf(r, self.centres)).squeeze(-1) * _envelope(r)
         return (pair * torch.ones(n, n, dtype=pos.dtype, device=pos.device).triu(1)).sum()
 
 
@@ -93,8 +100,7 @@ class MessagePassing(nn.Module):
     def forward(self, pos: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         diff = pos[dst] - pos[src]
         r = (diff * diff).sum(-1).sqrt()
-        cut = 0.5 * (torch.cos(r * (math.pi / _CUTOFF)) + 1)  # smooth to 0 at the cutoff
-        features = _rbf(r, self.centres) * cut.unsqueeze(-1)
+        features = _rbf(r, self.centres) * _envelope(r).unsqueeze(-1)
         h = self.embedding.expand(pos.shape[0], _WIDTH)
         for filt, update in zip(self.filters, self.updates):
             messages = h[src] * filt(features)
@@ -121,6 +127,9 @@ def _jax_energy(kind: str, params: dict[str, Any]):
     def rbf(r, centres):
         return jnp.exp(-_GAMMA * (r[..., None] - centres) ** 2)
 
+    def envelope(r):
+        return 0.5 * (jnp.cos(jnp.minimum(r, _CUTOFF) * (math.pi / _CUTOFF)) + 1)
+
     def linear(p, name, x):
         return x @ p[name + ".weight"].T + p[name + ".bias"]
 
@@ -131,7 +140,7 @@ def _jax_energy(kind: str, params: dict[str, Any]):
             r = jnp.sqrt((diff * diff).sum(-1) + jnp.eye(n, dtype=pos.dtype))
             h = jnp.tanh(linear(p, "mlp.0", rbf(r, params["centres"])))
             h = jnp.tanh(linear(p, "mlp.2", h))
-            pair = linear(p, "mlp.4", h)[..., 0]
+            pair = linear(p, "mlp.4", h)[..., 0] * envelope(r)
             return (pair * jnp.triu(jnp.ones((n, n), pos.dtype), 1)).sum()
 
         return energy
@@ -139,8 +148,7 @@ def _jax_energy(kind: str, params: dict[str, Any]):
     def energy(p, pos, src, dst):
         diff = pos[dst] - pos[src]
         r = jnp.sqrt((diff * diff).sum(-1))
-        cut = 0.5 * (jnp.cos(r * (math.pi / _CUTOFF)) + 1)
-        features = rbf(r, params["centres"]) * cut[:, None]
+        features = rbf(r, params["centres"]) * envelope(r)[:, None]
         h = jnp.broadcast_to(p["embedding"], (pos.shape[0], _WIDTH))
         for k in range(2):
             w = linear(p, f"filters.{k}.2", jnp.tanh(linear(p, f"filters.{k}.0", features)))
@@ -196,7 +204,8 @@ def force_training(tier: str, device, atoms=None) -> list[Problem]:
     problems = []
     for kind, cls, sizes, what in (
             ("pair", PairPotential, atoms or pair_sizes,
-             f"a pair potential (Gaussian features of r_ij -> tanh MLP {_RBF}-{_WIDTH}-{_WIDTH}-1, summed over i<j)"),
+             f"a pair potential (Gaussian features of r_ij -> tanh MLP {_RBF}-{_WIDTH}-{_WIDTH}-1, times a smooth "
+             f"cutoff at {_CUTOFF}, summed over all i<j)"),
             ("message_passing", MessagePassing, atoms or mp_sizes,
              f"a message-passing network (2 interactions of width {_WIDTH} over neighbours within {_CUTOFF})")):
         cases = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from typing import Any, Callable
 
 import torch
@@ -45,8 +46,9 @@ DESCRIPTIONS = {
                        f"{TIGHT_BUDGET / 2 ** 20:g} MiB for the batched backward's B-dependent tensors",
     "dynbatch_cudagraphs": 'torch.compile(backend="dynbatch", mode="reduce-overhead") of the '
                            "is_grads_batched code: replayed as CUDA graphs (CUDA only)",
-    "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone; the is_grads_batched grad taken '
-                        "outside it, in eager code (the region's compiled batched backward)",
+    "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone, as an nn.Module whose weights are '
+                        "parameters that require grad; the is_grads_batched grad taken outside it, in eager code "
+                        "(the region's compiled batched backward)",
     "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
 }
 
@@ -104,7 +106,7 @@ def outside_program(problem: Problem) -> Callable:
     eager code around it (dynbatch/region.py batches that backward)."""
     if problem.batched_api is not None:
         raise VariantUnavailable(f"{problem.name} differentiates through an API that calls f itself")
-    compiled_f = torch.compile(problem.f, backend="dynbatch")
+    compiled_f = torch.compile(as_module(problem.f), backend="dynbatch")
 
     def outside(x, cotangents):
         x = x.detach().requires_grad_()
@@ -112,6 +114,40 @@ def outside_program(problem: Problem) -> Callable:
         return _finish(problem, torch.autograd.grad(y, x, cotangents, is_grads_batched=True)[0])
 
     return outside
+
+
+def as_module(f: Callable) -> torch.nn.Module:
+    """``f`` as users write a model: the floating-point tensors it closes over (its
+    weights, in its closure or its helpers') become parameters that require grad."""
+    params: list[torch.nn.Parameter] = []
+    lifted: dict[int, Any] = {}
+
+    def lift(value):
+        if id(value) in lifted:
+            return lifted[id(value)]
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            new = torch.nn.Parameter(value.detach().clone())
+            params.append(new)
+        elif isinstance(value, (list, tuple)):
+            new = type(value)(lift(v) for v in value)
+        elif isinstance(value, types.FunctionType) and value.__closure__:
+            cells = tuple(types.CellType(lift(c.cell_contents)) for c in value.__closure__)
+            new = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+        else:
+            new = value
+        lifted[id(value)] = new
+        return new
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = lift(f)
+            self.weights = torch.nn.ParameterList(params)
+
+        def forward(self, x):
+            return self.f(x)
+
+    return Model()
 
 
 def vmap_program(problem: Problem, chunk_size: int | None = None) -> Callable:
