@@ -104,10 +104,6 @@ class Region:
         self.with_grads: Program | None = None
         self._logged: set[str] = set()
 
-    @property
-    def random_ops(self) -> tuple[str, ...]:
-        return self.program.random_ops
-
     def __call__(self, *args: Any) -> Any:
         for i in self.sets_requires_grad:
             args[i].requires_grad_(True)

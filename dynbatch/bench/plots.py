@@ -167,12 +167,15 @@ def training(results: dict[str, Any], path: Path) -> Path:
     fig, axes = _panels(len(problems))
     for ax, problem in zip(axes, problems):
         for k, v in enumerate(cols):
-            points = [(int(c["label"].split()[0][2:]), figure(c, v, "median_s")) for c in problem["cases"]]
+            points = [(int(c["label"].split()[0][2:]), figure(c, v, "median_s")) for c in problem["cases"]]  # "N=64 ..."
             points = [(n, t) for n, t in points if t]
             if points:
                 ax.plot(*zip(*points), marker=MARKERS[k % len(MARKERS)], color=colors[v], label=v)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        sizes = [int(c["label"].split()[0][2:]) for c in problem["cases"]]
+        ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
+        ax.set_xticks([], minor=True)
         ax.set_title(problem["problem"], fontsize=9)
         ax.set_xlabel("atoms N")
         ax.set_ylabel("time per training step (s)")

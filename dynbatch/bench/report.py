@@ -343,6 +343,29 @@ def markdown(results: dict[str, Any]) -> str:
         f"{meta['date_utc']} on **{meta['device_name']}** ({meta['device']}, {meta['torch_threads']} torch threads); "
         f"torch {meta['torch']}, dynbatch {meta['dynbatch']}, Python {meta['python']}; size tier `{meta['tier']}`, "
         f"{meta['dtype']}. {jax_line}. Compile caches: {'cold (empty Inductor/Triton cache folders)' if meta['cold_compile_cache'] else 'warm (the user caches)'}.",
+    ]
+    if results["problems"]:
+        parts += _batched_sections(results, meta, notes)
+    if results.get("training"):
+        parts += [
+            "## Training with forces (force_training)",
+            "Median time per training step, ± interquartile range, in ms; ×ratio to `eager`; the "
+            "dynbatch columns over `dynbatch_step` (the whole step compiled), and that over JAX.",
+            training_table(results, notes),
+            "Cores used while timed / max abs error of the parameter grads against eager:",
+            training_cores_and_errors(results),
+            "\n".join(f"- {p['problem']}: {p['description']}" for p in results["training"]),
+            "\n".join(f"- `{k}`: {v}" for k, v in training.DESCRIPTIONS.items()),
+        ]
+    if notes.notes:
+        parts += ["## Notes", notes.markdown()]
+    if results["problems"]:
+        parts += ["## Columns", "\n".join(f"- `{k}`: {v}" for k, v in meta["variant_descriptions"].items())]
+    return "\n\n".join(parts) + "\n"
+
+
+def _batched_sections(results: dict[str, Any], meta: dict[str, Any], notes: Footnotes) -> list[str]:
+    return [
         "## Summary: dynbatch per case",
         "dynbatch's median time per call and its ratios (below 1: dynbatch is faster).",
         summary_table(results),
@@ -373,21 +396,6 @@ def markdown(results: dict[str, Any]) -> str:
         "## Problems and floors",
         floors_list(results),
     ]
-    if results.get("training"):
-        parts += [
-            "## Training with forces (force_training)",
-            "Median time per training step, ± interquartile range, in ms; ×ratio to `eager`; the "
-            "dynbatch columns over `dynbatch_step` (the whole step compiled), and that over JAX.",
-            training_table(results, notes),
-            "Cores used while timed / max abs error of the parameter grads against eager:",
-            training_cores_and_errors(results),
-            "\n".join(f"- {p['problem']}: {p['description']}" for p in results["training"]),
-            "\n".join(f"- `{k}`: {v}" for k, v in training.DESCRIPTIONS.items()),
-        ]
-    if notes.notes:
-        parts += ["## Notes", notes.markdown()]
-    parts += ["## Columns", "\n".join(f"- `{k}`: {v}" for k, v in meta["variant_descriptions"].items())]
-    return "\n\n".join(parts) + "\n"
 
 
 def _cores_sentence(results, meta: dict[str, Any]) -> str:
