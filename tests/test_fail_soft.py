@@ -89,6 +89,31 @@ def test_a_capture_piece_that_cannot_enter_is_off_and_the_rest_works(monkeypatch
     assert dynbatch.counters()["grads_batched"] >= 1  # plain is_grads_batched code still batched
 
 
+def test_a_moved_requires_grad_hook_leaves_dynamos_graph_break(monkeypatch):
+    # The MACE idiom then graph-breaks at pos.requires_grad_() as under stock Dynamo.
+    def moved():
+        raise AttributeError("InstructionTranslatorBase.dispatch_table")
+
+    monkeypatch.setattr(_compat, "dynamo_traces_requires_grad_of_inputs", moved)
+
+    def forces(w, pos):
+        pos.requires_grad_(True)
+        energy = torch.tanh(pos @ w).sum()
+        return energy, torch.autograd.grad(energy, pos, create_graph=True)[0]
+
+    w, pos = torch.randn(3, 3, requires_grad=True), torch.randn(4, 3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = torch.compile(forces, backend="dynbatch")(w, pos.clone())
+    want = forces(w, pos.clone())
+    assert_same_grads(got, want)
+    assert_same_grads(torch.autograd.grad(got[1].sum(), w), torch.autograd.grad(want[1].sum(), w))
+    messages = _hook_warnings(seen)
+    assert sum("tracing requires_grad_() of graph inputs" in m for m in messages) == 1, messages
+    assert any("requires_grad" in reason for reason in torch._dynamo.utils.counters["graph_break"]), \
+        dict(torch._dynamo.utils.counters["graph_break"])
+
+
 def test_a_batching_rule_for_an_op_this_torch_lacks_keeps_functorchs(monkeypatch):
     ours = batch_rules.all_rules()
     monkeypatch.setattr(batch_rules, "all_rules", lambda: {**ours, "not_an_op_in_this_torch": lambda *a: None})
