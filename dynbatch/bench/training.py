@@ -34,6 +34,7 @@ from torch import nn
 
 from . import measure
 from .variants import Runner, VariantUnavailable
+from .workloads import _lattice
 
 COLUMNS = ("eager", "stock_compile", "dynbatch_model_in", "dynbatch_model_out", "dynbatch_step", "jax")
 REFERENCE = "eager"
@@ -176,12 +177,6 @@ class Problem:
     kind: str  # "pair" or "message_passing"
     make_model: Callable[[], nn.Module]
     cases: tuple[Case, ...]
-
-
-def _lattice(n: int, gen: torch.Generator) -> torch.Tensor:
-    side = math.ceil(n ** (1 / 3))
-    grid = torch.stack(torch.meshgrid(*[torch.arange(side)] * 3, indexing="ij"), -1).reshape(-1, 3)[:n]
-    return grid.float() * 1.12 + 0.05 * torch.randn(n, 3, generator=gen)
 
 
 def _neighbours(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
