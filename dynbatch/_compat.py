@@ -14,7 +14,7 @@ import functools
 import inspect
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -485,11 +485,11 @@ def with_traced_requires_grad(gm: Any, example_inputs: Sequence[Any]) -> Sequenc
     ``requires_grad_()`` was traced is its fake value (which requires grad; the
     real tensor does not yet), so AOTAutograd differentiates w.r.t. it with the
     same symbolic sizes."""
-    marked = inputs_given_requires_grad(gm)
-    if not marked:
-        return example_inputs
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [placeholders[i].meta["example_value"] if i in marked else a for i, a in enumerate(example_inputs)]
+    if not any(n.meta.get(REQUIRES_GRAD_AT_CALL) for n in placeholders):
+        return example_inputs
+    return [n.meta["example_value"] if n.meta.get(REQUIRES_GRAD_AT_CALL) else a
+            for n, a in zip(placeholders, example_inputs)]
 
 
 def leaks_traced_requires_grad(gm: Any) -> bool:
