@@ -467,6 +467,69 @@ def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout
     return _rewrap_all([g.unflatten(0, (B, -1)) for g in grads], level)
 
 
+# The CUDA attention backwards, none with a functorch rule: their per-sample
+# tensor arguments (dim 0 is the attention batch N) and their bias argument.
+# Other tensor arguments (philox seed and offset, cumulative sequence lengths)
+# are per call, not per sample.
+_ATTENTION_BACKWARDS = {
+    "_scaled_dot_product_flash_attention_backward":
+        (("grad_out", "query", "key", "value", "out", "logsumexp"), None),
+    "_scaled_dot_product_efficient_attention_backward":
+        (("grad_out_", "query", "key", "value", "out", "logsumexp"), "attn_bias"),
+    "_efficient_attention_backward":
+        (("grad_out_", "query", "key", "value", "out", "logsumexp"), "bias"),
+    "_scaled_dot_product_cudnn_attention_backward":
+        (("grad_out", "query", "key", "value", "out", "logsumexp"), "attn_bias"),
+}
+
+
+def fold_attention_backward(op: torch._ops.OpOverload, per_sample: Sequence[str], bias: str | None) -> Callable:
+    """Rule for a CUDA attention backward, as sdpa_flash_cpu_backward is for
+    the CPU one: B folds into the attention batch N, one call on [B*N, ...].
+    With dropout, or a per-call argument batched, the per-sample loop stays."""
+    names = [a.name for a in op._schema.arguments]
+    folded = [names.index(n) for n in per_sample]
+    bias_at = None if bias is None else names.index(bias)
+    bmhk = op._schema.name == "aten::_efficient_attention_backward"  # [N, L, H, E]; the rest [N, H, L, E]
+
+    def rule(*args, **kwargs):
+        level = _compat.current_vmap_level()
+        args = list(args)
+        kept = [i for i, a in enumerate(args)
+                if isinstance(a, torch.Tensor) and i not in folded and i != bias_at]
+        dropout = args[names.index("dropout_p")] if "dropout_p" in names else 0.0
+        at = folded + ([bias_at] if bias_at is not None and args[bias_at] is not None else [])
+        if dropout != 0 or _any_batched([args[i] for i in kept], level) or not _any_batched([args[i] for i in at], level):
+            return _per_sample(op, *args, **kwargs)
+        if len(at) > len(folded):
+            # a broadcast bias's leading dims would not broadcast against B*N
+            q, k = args[names.index("query")], args[names.index("key")]
+            N, H, L, S = ((q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if bmhk
+                          else (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+            args[bias_at] = args[bias_at].expand(N, H, L, S)
+        operands, B, _ = _batch_dim_first([args[i] for i in at])
+        with _compat.below_vmap():
+            for i, t in zip(at, operands):
+                args[i] = _aligned(t.flatten(0, 1)) if i == bias_at else t.flatten(0, 1).contiguous()
+            grads = op(*args, **kwargs)
+        # grad_bias (4th) is a placeholder when no bias needs a grad: left unbatched
+        biased = len(at) > len(folded)
+        return tuple(g if g is None or (i == 3 and not (biased and g.dim() == 4))
+                     else _compat.rewrap_batched(g.unflatten(0, (B, -1)), 0, level)
+                     for i, g in enumerate(grads))
+
+    return rule
+
+
+def _aligned(bias: torch.Tensor) -> torch.Tensor:
+    """A bias the memory-efficient kernels take: rows 16-element aligned, as
+    sdpa's own mask preprocessing pads them (a stride-0 view stays one)."""
+    S = bias.shape[-1]
+    if bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0:
+        return bias
+    return torch.nn.functional.pad(bias, (0, -S % 16))[..., :S]
+
+
 # (grad_output, self, ...) -> grad_input, dim 0 of every tensor a sample dim.
 _SAMPLEWISE_BACKWARDS = (
     "avg_pool2d_backward", "avg_pool3d_backward",
@@ -562,6 +625,11 @@ def _aten_op(name: str) -> torch._ops.OpOverload | None:
         return None
 
 
+def _attention_backwards() -> dict:
+    return {op: _ATTENTION_BACKWARDS[name] for name in _ATTENTION_BACKWARDS
+            if (op := _aten_op(name)) is not None}
+
+
 @functools.cache
 def all_rules() -> dict:
     samplewise = {op for op in map(_aten_op, _SAMPLEWISE_BACKWARDS) if op is not None}
@@ -580,6 +648,7 @@ def all_rules() -> dict:
         "miopen_batch_norm_backward": cudnn_batch_norm_backward,
         "native_group_norm_backward": native_group_norm_backward,
         "_scaled_dot_product_flash_attention_for_cpu_backward": sdpa_flash_cpu_backward,
+        **{op: fold_attention_backward(op, *spec) for op, spec in _attention_backwards().items()},
         **{op: fold_batch_into_dim0(op) for op in samplewise},
         **decomposed_rules(),
     }

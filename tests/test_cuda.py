@@ -289,3 +289,145 @@ def test_snapshot_programs_on_cuda(name, monkeypatch):
     else:
         assert not c.get("fallbacks") and c["grads_batched"] >= 1 and c["graphs_batched"] <= 2, c
         assert "triton" in "\n".join(codes)
+
+
+# --- the CUDA attention backwards (batch_rules.fold_attention_backward) --------
+
+_SDPA_BACKENDS = {  # backend: (dtype it takes, with a float mask, forward op autograd records)
+    "FLASH_ATTENTION": (torch.bfloat16, False, "_scaled_dot_product_flash_attention"),
+    "EFFICIENT_ATTENTION": (torch.float32, True, "_scaled_dot_product_efficient_attention"),
+    "CUDNN_ATTENTION": (torch.bfloat16, False, "_scaled_dot_product_cudnn_attention"),
+}
+
+
+@pytest.mark.parametrize("backend", list(_SDPA_BACKENDS))
+def test_cuda_attention_backwards_match_the_loop_with_one_graph_for_every_B(backend):
+    """No functorch rule: vmap looped per sample and read B as an int (a graph
+    per B).  dynbatch folds B into the attention batch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dtype, masked, forward_op = _SDPA_BACKENDS[backend]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 64, generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))
+    mask = torch.randn(1, 1, 16, 16, generator=g).to("cuda", dtype) if masked else None
+
+    def layer(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def f(q, k, v, V):
+        return torch.autograd.grad(layer(q, k, v), (q, k, v), V, is_grads_batched=True)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    seen: set = set()
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        try:
+            with Ops():
+                layer(q, k, v)
+        except RuntimeError as e:
+            pytest.skip(reason=f"{backend} does not run here: {e}")
+        assert forward_op in seen, seen
+        compiled = torch.compile(f, backend="dynbatch", fullgraph=True)
+        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+        for B in (2, 3, 5, 8):
+            V = torch.randn(B, 2, 4, 16, 64, device="cuda", dtype=dtype)
+            assert_same_grads(compiled(q, k, v, V), loop_grads(layer(q, k, v), (q, k, v), [V]),
+                              msg=f"B={B}", **tol)
+    c = dynbatch.counters()
+    assert c["graphs_batched"] <= 2 and not c.get("fallbacks"), c
+
+
+# --- grads taken outside a compiled model (region.py) -------------------------
+
+def _force_step(model, pos, f_ref, inside):
+    """One force-matching step (tests/test_force_training.py) on pos's device."""
+    model.zero_grad()
+    pos = pos.clone()
+    if inside:
+        energy, forces = model(pos)
+    else:
+        energy = model(pos.requires_grad_())
+        forces = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+    ((energy - 0.5) ** 2 + ((forces - f_ref) ** 2).mean()).backward()
+    return tuple(p.grad.clone() for p in model.parameters()) + (pos.grad,)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["forces_outside", "forces_in_forward"])
+def test_force_training_through_a_compiled_model_on_cuda(inside):
+    import test_force_training as ft
+
+    eager, twin = (m.cuda() for m in ft.models(ft.ForcesInForward if inside else ft.PairPotential))
+    compiled = torch.compile(twin, backend="dynbatch", fullgraph=True)
+    for step, n in enumerate((6, 6, 6, 9)):
+        pos = ft.positions(n, seed=step).cuda()
+        f_ref = torch.randn(n, 3, dtype=pos.dtype, device="cuda")
+        assert_same_grads(_force_step(compiled, pos, f_ref, inside), _force_step(eager, pos, f_ref, inside),
+                          msg=f"step {step}")
+    c = dynbatch.counters()
+    assert c.get("outside_eager", 0) == 0 and not c.get("fallbacks"), c
+    if inside:
+        assert c.get("graphs") == 2 and c.get("outside_plain", 0) == 4, c
+    else:
+        assert c.get("outside_vjp_compiled", 0) >= 1 and c.get("outside_grads_at_forward", 0) >= 2, c
+
+
+def test_batched_jacobian_of_a_compiled_module_on_cuda():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda().double()
+    compiled = torch.compile(model, backend="dynbatch")
+    x = torch.randn(4, 16, device="cuda", dtype=torch.float64, requires_grad=True)
+    for B in (2, 3, 5, 9):
+        V = torch.randn(B, 4, 8, device="cuda", dtype=torch.float64)
+        got = torch.autograd.grad(compiled(x), x, V, is_grads_batched=True)
+        assert_same_grads(got, loop_grads(model(x), x, [V]), msg=f"B={B}")
+    c = dynbatch.counters()
+    assert c.get("outside_batched_compiled") == 4 and not c.get("outside_eager"), c
+
+
+# --- the memory budget with CUDA's free memory --------------------------------
+
+def _lj_hessian_rows(pos, V):
+    n = pos.shape[0]
+    pos = pos.detach().requires_grad_()
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+    r2 = (diff * diff).sum(-1) + torch.eye(n, dtype=pos.dtype, device=pos.device)
+    inv6 = r2.pow(-3)
+    energy = (4 * (inv6 * inv6 - inv6) * torch.ones(n, n, dtype=pos.dtype, device=pos.device).triu(1)).sum()
+    (g,) = torch.autograd.grad(energy, pos, create_graph=True)
+    return torch.autograd.grad(g, pos, V, is_grads_batched=True)[0]
+
+
+def _cuda_peak_growth(fn, *args):
+    fn(*args)  # warm: compile, caches
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - start
+
+
+def test_memory_budget_bounds_the_cuda_peak_and_auto_reads_free_memory():
+    from test_memory_budget import lattice
+
+    from dynbatch import memory
+
+    free, _ = torch.cuda.mem_get_info()
+    assert 0 < memory.auto_budget(torch.device("cuda")) <= free
+    pos = lattice(60).cuda()
+    V = torch.eye(180, device="cuda").view(180, 60, 3)
+    budget = 2 * 2**20
+    budgeted = torch.compile(_lj_hessian_rows, backend="dynbatch", fullgraph=True,
+                             options={"dynbatch.memory_budget": budget})
+    unbudgeted = torch.compile(_lj_hessian_rows, backend="dynbatch", fullgraph=True,
+                               options={"dynbatch.memory_budget": None})
+    got, peak = _cuda_peak_growth(budgeted, pos, V)
+    want, peak_unbudgeted = _cuda_peak_growth(unbudgeted, pos, V)
+    assert_same_grads(got, want, atol=1e-3, rtol=1e-4)
+    output = 180 * 60 * 3 * 4
+    assert peak <= 1.25 * budget + output, (peak, peak_unbudgeted)
+    assert peak_unbudgeted > 2 * budget, (peak, peak_unbudgeted)  # the budget did bind

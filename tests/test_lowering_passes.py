@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 
 import pytest
@@ -540,3 +542,53 @@ def test_cpu_attention_backward_rule_matches_the_loop_with_one_graph_for_every_B
 
     _check_batch_sweep(_compile_aot_eager(f), primals, layer)
     assert dynbatch.counters().get("fallbacks", 0) == 0
+
+
+def _cuda_attention_backwards(N=2, H=3, L=5, S=7, E=8):
+    """Each CUDA attention backward as a function of grad_out, on meta tensors
+    (their meta kernels run anywhere; the values are checked in test_cuda.py)."""
+    r = functools.partial(torch.randn, device="meta")
+    q, k, v, o, lse, bias = r(N, H, L, E), r(N, H, S, E), r(N, H, S, E), r(N, H, L, E), r(N, H, L), r(1, 1, L, S)
+    e = torch.empty(0, device="meta")
+    t = functools.partial(torch.transpose, dim0=1, dim1=2)  # [N, L, H, E], _efficient_attention's layout
+    return {
+        "flash": lambda g: aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, o, lse, None, None, L, S, 0.0, False, e, e, scale=0.3),
+        "sdpa_efficient": lambda g: aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, bias, o, lse, e, e, 0.0, [True, True, True, False]),
+        "sdpa_efficient_bias_grad": lambda g: aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, bias.expand(N, H, L, S), o, lse, e, e, 0.0, [True, True, True, True]),
+        "efficient": lambda g: aten._efficient_attention_backward(
+            t(g), t(q), t(k), t(v), None, t(o), None, None, L, S, lse, 0.0, e, e, 0, False),
+        "cudnn": lambda g: aten._scaled_dot_product_cudnn_attention_backward(
+            g, q, k, v, o, lse, e, e, bias, None, None, L, S, 0.0, False, scale=0.5),
+    }, (N, H, L, E)
+
+
+@pytest.mark.parametrize("name", ["flash", "sdpa_efficient", "sdpa_efficient_bias_grad", "efficient", "cudnn"])
+@pytest.mark.parametrize("ours", [True, False])
+def test_cuda_attention_backward_rules_fold_b_into_the_attention_batch(name, ours):
+    """Under vmap the rule calls the op once on [B*N, ...] (vmap's fallback calls
+    it B times), with each grad's per-sample shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dynbatch import batch_rules
+
+    backwards, shape = _cuda_attention_backwards()
+    backward = backwards[name]
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def defined(g):  # vmap returns tensors only: the placeholder grad_bias is left out
+        return tuple(x for x in backward(g) if x is not None and x.dim() > 0)
+
+    B = 4
+    with batch_rules.symbolic_batch_rules() if ours else contextlib.nullcontext(), Count():
+        grads = torch.vmap(defined)(torch.randn(B, *shape, device="meta"))
+    expected = defined(torch.randn(*shape, device="meta"))
+    assert [g.shape for g in grads] == [(B, *x.shape) for x in expected]
+    assert sum("attention" in str(f) for f in calls) == (1 if ours else B)

@@ -219,8 +219,6 @@ SPECIALIZES_B: frozenset[str] = frozenset({
     'scatter_add', 'scatter_reduce/amax', 'scatter_reduce/amin', 'scatter_reduce/mean',
     'scatter_reduce/prod', 'scatter_reduce/sum', 'sort', 'take', 'take_along_dim', 'topk',
     'unfold', 'unfold_copy',
-    # CUDA only: _efficient_attention_backward has no functorch rule, so vmap runs it per sample
-    'torch.ops.aten._efficient_attention_forward'
 })
 
 # (rtol, atol).  float32: 10x assert_close's rtol, since a batched kernel may
