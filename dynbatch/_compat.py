@@ -180,13 +180,48 @@ def has_tangent(t: torch.Tensor) -> bool:
 
 def legacy_vmap_level() -> int:
     """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
     level = torch._C._vmapmode_increment_nesting()
-    torch._C._vmapmode_decrement_nesting()
+    torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
+    if keyed and level == 1:  # a device thread's key without its count (_legacy_level_of)
+        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
     return level - 1
 
 
 def is_legacy_batched(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_legacy_batchedtensor(t)
+
+
+def _legacy_level_of(t: torch.Tensor, most: int = 64) -> int:
+    """The first legacy vmap level that batches ``t`` (0: none up to ``most``).
+
+    For a backward on one of autograd's device threads (CUDA): the engine carries
+    the caller's dispatch keys there, vmap's among them, but not vmap's level
+    count, so ``legacy_vmap_level()`` reads 0.  ``_remove_batch_dim`` of a level
+    the tensor lacks expands to the given size instead, which tells them apart."""
+    for level in range(1, most + 1):
+        if torch._remove_batch_dim(t, level, 0, 0).shape[0] == torch._remove_batch_dim(t, level, 1, 0).shape[0]:
+            return level
+    return 0
+
+
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits."""
+    depth = legacy_vmap_level()
+    for _ in range(depth):
+        torch._C._vmapmode_decrement_nesting()
+    # On a device thread the key is on with a count of 0 (_legacy_level_of).
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    if keyed:
+        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
+    try:
+        yield
+    finally:
+        if keyed:
+            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+        for _ in range(depth):
+            torch._C._vmapmode_increment_nesting()
 
 
 class Batching:
@@ -207,7 +242,9 @@ class Batching:
         batch_size = sizes.pop()
         physical = [(i, p if self._is_batched(g) else p.expand(batch_size, *p.shape))
                     for (i, p), (_, g) in zip(physical, out_grads)]
-        with self._outside():
+        # Legacy vmap's dispatch key rejects random ops (Inductor draws some while it
+        # compiles) in every tensor op, batched or not.
+        with outside_legacy_vmap() if self.kind == "legacy" else contextlib.nullcontext():
             yield physical, batch_size, self._rewrap
 
     def _is_batched(self, g: torch.Tensor) -> bool:
@@ -228,21 +265,6 @@ class Batching:
         add = torch._add_batch_dim if self.kind == "legacy" else torch._C._functorch._add_batch_dim
         return tuple(None if g is None else add(g, 0, self.level) for g in grads)
 
-    @contextlib.contextmanager
-    def _outside(self) -> Iterator[None]:
-        """Leave legacy vmap mode, whose dispatch key rejects random ops (Inductor
-        draws some while it compiles) in every tensor op, batched or not."""
-        if self.kind != "legacy":
-            yield
-            return
-        for _ in range(self.level):
-            torch._C._vmapmode_decrement_nesting()
-        try:
-            yield
-        finally:
-            for _ in range(self.level):
-                torch._C._vmapmode_increment_nesting()
-
 
 def engine_will_execute(node: Any) -> bool:
     """Whether the running backward will execute ``node`` (refused for a leaf's
@@ -256,8 +278,8 @@ def batching_of(grads: list[torch.Tensor]) -> Batching | None:
     re-run) that take any batching as it comes."""
     legacy = [g for g in grads if is_legacy_batched(g)]
     if legacy:
-        level = legacy_vmap_level()
-        if not any(is_legacy_batched(torch._remove_batch_dim(g, level, 0, 0)) for g in legacy):
+        level = legacy_vmap_level() or _legacy_level_of(legacy[0])
+        if level and not any(is_legacy_batched(torch._remove_batch_dim(g, level, 0, 0)) for g in legacy):
             return Batching("legacy", level)
         return Batching("nested", -1)
     wrapped = [g for g in grads if torch._C._functorch.is_functorch_wrapped_tensor(g)]
@@ -914,22 +936,16 @@ def inductor_patterns_registered_outside_transforms(example_inputs: Any) -> None
     vmap, eager's legacy one or functorch's), the tracing fails: "random operations
     inside of vmap".  Register them with both set aside; Inductor's own calls then
     find them cached (the same device argument)."""
-    legacy_levels = legacy_vmap_level()
-    if not legacy_levels and not functorch_transform_active():
+    if (not legacy_vmap_level() and not torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+            and not functorch_transform_active()):
         return
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
     from torch._inductor.fx_passes import joint_graph, post_grad
 
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    for _ in range(legacy_levels):
-        torch._C._vmapmode_decrement_nesting()
-    try:
-        with temporarily_clear_interpreter_stack():
-            joint_graph.lazy_init(device)
-            post_grad.lazy_init()
-    finally:
-        for _ in range(legacy_levels):
-            torch._C._vmapmode_increment_nesting()
+    with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
+        joint_graph.lazy_init(device)
+        post_grad.lazy_init()
 
 
 def functorch_transform_active() -> bool:

@@ -174,9 +174,10 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "nn.functional.conv_transpose3d": (1e-4, 5e-5),
 }
 # On CUDA (H200, TF32 off), where cuSOLVER/cuBLAS batched and per-sample calls
-# round differently: 1 element of 15-125 off by ~5e-5.
+# round differently: 1 element of 15-125 off by ~5e-5 (householder_product: one
+# of 15 off by 1.5e-4 in the 2026-11-27 run).
 CUDA_TOLERANCES: dict[str, tuple[float, float]] = {
-    "linalg.householder_product": (1e-4, 1e-4),
+    "linalg.householder_product": (5e-4, 5e-4),
     "matrix_exp": (1e-4, 1e-4),
 }
 

@@ -16,6 +16,7 @@ pointers of BatchedTensors, donated buffers); the rest use aot_eager.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -87,6 +88,48 @@ def test_batched_jacobian_of_a_compiled_model_runs_one_compiled_batched_backward
     # The batched backward keeps B symbolic: one graph for the first B, one for all later ones.
     batched_graphs = [r for r in dynbatch.compile_records() if r.batched and "is_grads_batched" in r.dynamo_graph]
     assert len(batched_graphs) <= 3, [r.dynamo_graph for r in batched_graphs]
+
+
+def _on_a_device_thread(backward):
+    """``backward`` run as CUDA's autograd runs a node: on a device thread that
+    has the caller's dispatch keys (legacy vmap's among them) and grad mode, but
+    not vmap's level count."""
+
+    def run(*args):
+        grad_mode, out = torch.is_grad_enabled(), []
+
+        def thread():
+            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+            with torch.set_grad_enabled(grad_mode):
+                try:
+                    out.append(backward(*args))
+                except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                    out.append(e)
+
+        t = threading.Thread(target=thread)
+        t.start()
+        t.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
+
+    return run
+
+
+def test_batched_jacobian_of_a_compiled_model_on_a_device_thread_runs_compiled(monkeypatch):
+    """Seen on CUDA: the region read the device thread's vmap level (0) and took
+    the eager path; the level now comes from the grads themselves."""
+    from dynbatch import region
+
+    monkeypatch.setattr(region, "_backward", _on_a_device_thread(region._backward))
+    model = mlp()
+    m = compiled(model)
+    x = x64(2, 4, requires_grad=True)
+    for B in (2, 3, 5):
+        V = torch.randn(B, 2, 3, dtype=torch.float64)
+        got = grad(m(x), x, V, is_grads_batched=True)[0]
+        assert_same_grads(got, grad(model(x), x, V, is_grads_batched=True)[0], msg=f"B={B}")
+    assert paths() == {"outside_batched_compiled": 3}, paths()
 
 
 def test_batched_grads_outside_a_dynamic_region_run_compiled():
