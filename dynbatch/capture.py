@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, batch_rules
+from . import _compat, batch_rules, zero_tangents
 from .batched_grad import batched_grad, forward_mode_jacobian
 
 log = logging.getLogger("dynbatch")
@@ -78,6 +78,7 @@ def capture_scope():
     jacfwd = _compat.functional_forward_jacobian()
     with (
         soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules),
+        soft("symbolic sizes of forward mode's zero tangents", zero_tangents.symbolic_zero_tangents),
         soft("capture of torch.autograd.grad", _grads_traced_by_dynbatch),
         soft("tracing into torch.autograd.functional",
              lambda: _compat.dynamo_inlines_module("torch.autograd.functional")),

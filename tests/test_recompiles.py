@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import dynbatch
+from conftest import assert_same_grads
 from helpers_reliability import (
     FALLBACK,
     assert_fell_back,
@@ -364,3 +365,67 @@ def test_counting_backends():
     with pytest.raises(torch._dynamo.exc.Unsupported, match="trace_autograd_ops"):
         torch.compile(leaf_mlp_vjp, backend=stock, fullgraph=True)(_x().requires_grad_(), _V(3))
     assert stock.frame_count == 0
+
+
+# --- forward mode (batch_rules, NOTE [Zero tangents keep sizes symbolic]) -------
+
+_W24 = torch.randn(24, 24, generator=torch.Generator().manual_seed(0)) / 5
+_FORWARD_PROGRAMS = {  # f, an input of size n
+    "pointwise_1d": (lambda u: u.sin() * 2 + u, lambda n: torch.randn(n)),
+    "cumsum": (lambda u: u.sin() * 2 + u.cumsum(0), lambda n: torch.randn(n, 24)),
+    "matmul": (lambda u: torch.tanh(u @ _W24) * u, lambda n: torch.randn(n, 24)),
+}
+
+
+@pytest.mark.parametrize("api", ["jacfwd", "functional_forward_mode"])
+@pytest.mark.parametrize("name", sorted(_FORWARD_PROGRAMS))
+def test_forward_mode_jacobians_keep_the_size_symbolic(name, api):
+    """The zero tangent of ``2`` in ``u * 2`` went through aten's ZeroTensor
+    kernels, which read sizes as ints: one graph per input size before."""
+    f, make = _FORWARD_PROGRAMS[name]
+
+    def jac(u):
+        if api == "jacfwd":
+            return torch.func.jacfwd(f)(u)
+        return torch.autograd.functional.jacobian(f, u, strategy="forward-mode", vectorize=True)
+
+    compiled = compile_dynbatch(jac)
+    for n in (3, 5, 8, 13, 21):
+        u = make(n)
+        assert_same_grads(compiled(u), jac(u), msg=f"n={n}")
+    assert dynbatch.counters()["graphs"] <= 2, dynbatch.counters()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_zero_tangent_kernels_match_atens(dtype):
+    """dynbatch's ZeroTensor kernels give aten's values, dtypes and shapes, a
+    zero tangent on either side (forward-mode jvps of mul, add, sub, div)."""
+    from dynbatch.zero_tangents import symbolic_zero_tangents
+
+    x = torch.arange(1, 7, dtype=dtype).reshape(2, 3)
+    tangent = torch.ones(2, 3) if dtype.is_floating_point else None
+    ops = [lambda a: a * 2, lambda a: 2 * a, lambda a: a + 3, lambda a: 3 - a, lambda a: a - x,
+           lambda a: a / 2, lambda a: torch.ones(3) / a, lambda a: a.add(torch.ones(1, 3), alpha=2),
+           lambda a: torch.ones(1, 3).sub(a, alpha=2)]
+
+    def jvps():
+        out = []
+        with torch.autograd.forward_ad.dual_level():
+            primal = x.double() if tangent is not None else x
+            dual = torch.autograd.forward_ad.make_dual(primal, tangent.double()) if tangent is not None else primal
+            zero = torch._efficientzerotensor(x.shape, dtype=dtype)
+            for op in ops:
+                t = torch.autograd.forward_ad.unpack_dual(op(dual)).tangent
+                out.append(t)
+                out.append(op(zero))  # the ZeroTensor kernels directly
+        return out
+
+    want = jvps()
+    with symbolic_zero_tangents():
+        got = jvps()
+    for k, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, k
+            continue
+        assert (g.dtype, g.shape, g.device, g._is_zerotensor()) == (w.dtype, w.shape, w.device, w._is_zerotensor()), k
+        torch.testing.assert_close(g, w, equal_nan=True, msg=f"op {k}")
