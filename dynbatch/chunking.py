@@ -90,12 +90,17 @@ class ChunkProgram:
         batch = cotangents[0].shape[0]
         size = max(1, min(batch, self.chunk_size([*inputs, *deps, *ints, *cotangents])))
         chunks = math.ceil(batch / size) if batch else 0
-        outs = [x.new_empty((batch, *x.shape)) for x, used in zip(inputs, self.used) if used]
         with torch.enable_grad():
             leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
                 lambda t: t.detach().requires_grad_())
             leaves = [leaf(x) for x in inputs]
             deps = [leaf(d) if rg else d.detach() for d, rg in zip(deps, self.dep_requires_grad)]
+            if chunks == 1:  # B fits: the program's grads as they are, no copy
+                for c in cotangents:
+                    _compat.mark_batch_dynamic(c)
+                grads = self.compiled()(*leaves, *deps, *ints, *cotangents)
+                return [_owned(g, (*inputs, *deps, *cotangents)) for g in grads]
+            outs = [x.new_empty((batch, *x.shape)) for x, used in zip(inputs, self.used) if used]
             start = 0
             for k in range(chunks):
                 n = batch // chunks + (k < batch % chunks)
@@ -112,6 +117,15 @@ class ChunkProgram:
     def fake(self, inputs, cotangents) -> list[torch.Tensor]:
         batch = cotangents[0].shape[0]
         return [x.new_empty((batch, *x.shape)) for x, used in zip(inputs, self.used) if used]
+
+
+def _owned(grad: torch.Tensor, args: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A custom op's output, as its fake promises: dense, and no alias of an argument
+    (the grad of an identity is its cotangent)."""
+    storage = grad.untyped_storage().data_ptr()
+    if any(storage == a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)):
+        return grad.clone(memory_format=torch.contiguous_format)
+    return grad.contiguous()
 
 
 @torch.library.custom_op("dynbatch::chunked_grad", mutates_args=())

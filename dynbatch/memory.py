@@ -66,6 +66,15 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # it does eagerly.  Below it, the chunk loop's per-call overhead is not worth it.
 SEPARATE_ABOVE = 64 * 2**20
 
+# NOTE [One graph across the budget]
+# A graph whose B is static knows whether its grads fit.  Once B is symbolic
+# (Dynamo's second graph), a graph that fits at its example B would need a
+# guard "fits", and the first B past the budget a third graph, chunked.  So a
+# graph with B symbolic runs its budgeted grads through the chunk loop from the
+# start: one chunk, with no copy, while B fits (chunking.ChunkProgram.run).  The
+# price at small B is the chunk program's boundary: its own compiled program,
+# which Inductor cannot fuse with the rest of the graph.
+
 COTANGENT, GRAD = 0, 1  # marker roles
 
 
@@ -367,6 +376,10 @@ class Planner:
             # A symbolic B may grow past the chunk at any call: always through the chunk loop.
             return [g for g in candidates
                     if found[g].batch.free_symbols or found[g].example_batch() > self.fixed_chunk]
+        if any(found[g].batch.free_symbols for g in candidates):
+            # B symbolic: one graph for every B, through the chunk loop, which runs one
+            # chunk while B fits (NOTE [One graph across the budget]).
+            return [g for g in candidates if found[g].batch.free_symbols]
         totals = {g: e.bytes_per_sample() * e.example_batch() for g, e in found.items()}
         if sum(totals.values()) > self.budget:
             return candidates
@@ -399,11 +412,17 @@ class Planner:
 
 
 def resolve_budget(budget: int | str | None, example_inputs: Sequence[Any]) -> int | None:
-    if budget != "auto":
-        return budget
+    """The bytes one chunk of a batched backward may hold.  The budget is a ceiling,
+    and within it the fastest chunk: on the CPU larger chunks run slower (NOTE [CPU
+    chunks for speed]), so any budget is lowered to the CPU's speed cap, as "auto" is.
+    None: no budget, batched grads run unchunked."""
+    if budget is None:
+        return None
     devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
     device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
-    return auto_budget(device)
+    if budget == "auto":
+        return auto_budget(device)
+    return min(budget, cpu_speed_cap()) if device.type == "cpu" else budget
 
 
 def binder(estimate: Estimate, args: Sequence[Any]) -> Callable[[Sequence[Any]], dict[sympy.Symbol, int]]:

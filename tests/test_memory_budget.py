@@ -122,6 +122,28 @@ def test_auto_budget_chunks_a_cpu_backward_above_the_cpu_cap(monkeypatch):
 
 
 
+def test_a_budget_is_a_ceiling_lowered_to_the_cpu_speed_cap():
+    """A larger budget never chunks larger on the CPU, where larger chunks run
+    slower (NOTE [CPU chunks for speed]); other devices keep it; None stays off."""
+    cpu, meta = [torch.zeros(1)], [torch.zeros(1, device="meta")]
+    assert memory.resolve_budget(2**30, cpu) == memory.cpu_speed_cap()
+    assert memory.resolve_budget(2**10, cpu) == 2**10
+    assert memory.resolve_budget(2**30, meta) == 2**30
+    assert memory.resolve_budget(None, cpu) is None
+
+
+def test_a_budget_above_the_cpu_cap_runs_the_defaults_plan(monkeypatch):
+    monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 2**20)  # a small case stands for a large one
+    pos = lattice(40)
+    V = torch.eye(120).view(120, 40, 3)
+    for budget in ("auto", "256MiB"):
+        assert_same_grads(compiled(hessian_rows, **{"dynbatch.memory_budget": budget})(pos, V),
+                          eager_rows(pos, V), atol=1e-4, rtol=1e-4, msg=budget)
+    default, large = plans()
+    assert default.applied and large.applied
+    assert (large.chunk_size, large.chunks) == (default.chunk_size, default.chunks)
+
+
 KEEP_MEMORY = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=0x100000000"
 
 
@@ -248,18 +270,21 @@ def test_functional_hessian_within_a_budget():
     assert any(p.applied for p in plans())
 
 
-def test_a_budgeted_graph_that_fits_at_first_recompiles_chunked_when_b_grows():
+@pytest.mark.parametrize("batches", [(4, 6, 300, 5), (4, 300, 6, 301)])
+def test_a_batch_sweep_across_the_budget_compiles_two_graphs(batches):
+    """The static graph of the first B, then one graph with B symbolic whose
+    chunk loop runs one chunk while B fits (NOTE [One graph across the budget])."""
     x = torch.randn(4, 16)
     budget = 20_000
     f = compiled(jacobian, **{"dynbatch.memory_budget": budget})
-    for b in (4, 6, 300, 5):
+    for b in batches:
         V = torch.randn(b, 4, 16)
         assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
-    first, dynamic, grown = plans()
-    assert not first.applied and not dynamic.applied and grown.applied
-    assert grown.bytes_per_sample * grown.chunk_size <= budget
-    # The chunked graph serves every B after it; one graph more than unchunked, at the crossing.
-    assert dynbatch.counters()["graphs"] == 3
+    static, dynamic = plans()
+    assert not static.applied and dynamic.applied, (static, dynamic)
+    assert dynamic.bytes_per_sample * dynamic.chunk_size <= budget
+    assert dynbatch.counters()["graphs"] == 2, dynbatch.counters()
+    assert 300 * dynamic.bytes_per_sample > budget  # the sweep did cross the budget
 
 
 def test_several_grads_and_a_user_loop_over_chunks():
