@@ -9,7 +9,7 @@ which computes ``a @ w.t()`` with ``w`` as stored) blocks tall products
 better on some CPUs and is slower on short ones, where its per-call setup
 dominates.  On the 2-core AMD EPYC dynbatch is developed on, one thread,
 float32, oneDNN over MKL: 0.72-0.93x the time from M = 1024 (K = N = 128 and
-512), but up to 5x at M = 8 (docs/design.md, "Lowering").  "auto", the default,
+512), but up to 5x at M = 8 (docs/design.md, "Stage 4 — lowering").  "auto", the default,
 takes the faster per shape.  Which kernel wins depends on the CPU, the
 shape and the thread count, so it is measured, not assumed: the first
 product of each (power-of-two bucket of M, K, N, dtype, threads) runs both
