@@ -68,12 +68,14 @@ SEPARATE_ABOVE = 64 * 2**20
 
 # NOTE [One graph across the budget]
 # A graph whose B is static knows whether its grads fit.  Once B is symbolic
-# (Dynamo's second graph), a graph that fits at its example B would need a
-# guard "fits", and the first B past the budget a third graph, chunked.  So a
-# graph with B symbolic runs its budgeted grads through the chunk loop from the
-# start: one chunk, with no copy, while B fits (chunking.ChunkProgram.run).  The
-# price at small B is the chunk program's boundary: its own compiled program,
-# which Inductor cannot fuse with the rest of the graph.
+# (Dynamo's second graph), a graph that fits at its example B needs a guard
+# "fits", and the first B past the budget compiles a third graph, chunked.
+# With a budget the user gave, a graph with B symbolic runs its grads through
+# the chunk loop from the start instead: one chunk, with no copy, while B fits
+# (chunking.ChunkProgram.run), so a B sweep across the budget compiles two
+# graphs.  Not with "auto": there the grad would leave the graph for every
+# call, fits or not (Inductor fuses nothing across the chunk program), to save
+# a compile only sweeps that cross the budget pay.
 
 COTANGENT, GRAD = 0, 1  # marker roles
 
@@ -340,9 +342,10 @@ class Replan(Exception):
 class Planner:
     """Decides, from the estimates of one graph's batched grads, which run in chunks."""
 
-    def __init__(self, budget: int | None, chunk_size: int | None):
+    def __init__(self, budget: int | None, chunk_size: int | None, *, chunk_when_dynamic: bool = False):
         self.budget = budget
         self.fixed_chunk = chunk_size
+        self.chunk_when_dynamic = chunk_when_dynamic  # NOTE [One graph across the budget]
         self.estimates: dict[str, Estimate] = {}
         self.chunked: tuple[str, ...] = ()  # set by the backend once it lowers the chunked graph
         self.refused: dict[str, str] = {}  # grad -> why it cannot be chunked
@@ -376,9 +379,7 @@ class Planner:
             # A symbolic B may grow past the chunk at any call: always through the chunk loop.
             return [g for g in candidates
                     if found[g].batch.free_symbols or found[g].example_batch() > self.fixed_chunk]
-        if any(found[g].batch.free_symbols for g in candidates):
-            # B symbolic: one graph for every B, through the chunk loop, which runs one
-            # chunk while B fits (NOTE [One graph across the budget]).
+        if self.chunk_when_dynamic and any(found[g].batch.free_symbols for g in candidates):
             return [g for g in candidates if found[g].batch.free_symbols]
         totals = {g: e.bytes_per_sample() * e.example_batch() for g, e in found.items()}
         if sum(totals.values()) > self.budget:

@@ -272,8 +272,9 @@ def test_functional_hessian_within_a_budget():
 
 @pytest.mark.parametrize("batches", [(4, 6, 300, 5), (4, 300, 6, 301)])
 def test_a_batch_sweep_across_the_budget_compiles_two_graphs(batches):
-    """The static graph of the first B, then one graph with B symbolic whose
-    chunk loop runs one chunk while B fits (NOTE [One graph across the budget])."""
+    """With a budget the user gave: the static graph of the first B, then one graph
+    with B symbolic whose chunk loop runs one chunk while B fits (NOTE [One graph
+    across the budget])."""
     x = torch.randn(4, 16)
     budget = 20_000
     f = compiled(jacobian, **{"dynbatch.memory_budget": budget})
@@ -285,6 +286,18 @@ def test_a_batch_sweep_across_the_budget_compiles_two_graphs(batches):
     assert dynamic.bytes_per_sample * dynamic.chunk_size <= budget
     assert dynbatch.counters()["graphs"] == 2, dynbatch.counters()
     assert 300 * dynamic.bytes_per_sample > budget  # the sweep did cross the budget
+
+
+def test_under_auto_a_graph_that_fits_keeps_the_grad_and_recompiles_chunked_when_b_grows(monkeypatch):
+    monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 20_000)  # "auto" on the CPU: the cap
+    x = torch.randn(4, 16)
+    f = compiled(jacobian)
+    for b in (4, 6, 300, 5):
+        V = torch.randn(b, 4, 16)
+        assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
+    first, dynamic, grown = plans()
+    assert not first.applied and not dynamic.applied and grown.applied
+    assert dynbatch.counters()["graphs"] == 3
 
 
 def test_several_grads_and_a_user_loop_over_chunks():
