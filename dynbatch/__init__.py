@@ -43,7 +43,8 @@ def fallback_reasons() -> dict[str, int]:
 
 
 def compile_records() -> list[CompileRecord]:
-    """The last 64 compiles, oldest first, with the text of each graph."""
+    """The last 64 compiles, oldest first, with the text of each graph and a weak reference
+    to the region each compiled into (``record.region``; None where the graph fell back)."""
     return list(STATS.records)
 
 

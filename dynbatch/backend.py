@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch.fx
@@ -60,12 +61,14 @@ def dynbatch_backend(
     log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)%s",
              len(record.batched), len(record.plain), _plan_text(record))
     # What a grad taken outside this graph gets: NOTE [Region backward] in region.py.
-    return region.Region(
+    graph_region = region.Region(
         gm, compiled, example_inputs,
         recompile=functools.partial(_compile_like, mode=mode, options=options),
         random_ops=record.random_ops,
         mutates_differentiable_input=record.mutates_differentiable_input,
     )
+    record.region = weakref.ref(graph_region)
+    return graph_region
 
 
 def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: CompileRecord,

@@ -52,7 +52,8 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # of system time in a 1.4 s call).  Chunks of at most 16 MiB reuse the heap
 # blocks the previous chunk freed (no page fault there, 0.88 s; 32 MiB chunks
 # still made 98,000); the forward a chunk re-runs costs less than the faults
-# did (scripts/cpu_page_faults.py; docs/design.md, "Memory within a budget").
+# did (`python -m dynbatch.bench ab dynbatch.memory_budget=None,32MiB,auto --workloads
+# full_hessian --threads 1`; docs/design.md, "Memory within a budget").
 # CUDA's caching allocator keeps its blocks, so there "auto" is only the fraction.
 # A process started with glibc's tunables raising both thresholds
 # (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...,

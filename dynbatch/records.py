@@ -1,7 +1,8 @@
 """What dynbatch did: counters tests can assert on and per-compile records.
 
 Counters are cumulative since the last :func:`reset`; records keep the text
-of each graph (never the graph itself, which would hold tensors alive).
+of each graph (never the graph itself, which would hold tensors alive) and a
+weak reference to the region it compiled into.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import weakref
+from typing import Any
 
 _MAX_RECORDS = 64
 
@@ -29,6 +32,10 @@ class CompileRecord:
     memory_budget: int | None = None  # bytes, as resolved when the graph compiled (memory.py)
     memory_plan: list = dataclasses.field(default_factory=list)  # memory.GradPlan per batched grad
     chunk_program: bool = False  # compiled as the chunk program of a chunked grad (chunking.py)
+    # The region.Region this graph compiled into, while Dynamo's cache keeps it (a weak
+    # reference: a record never keeps a graph alive); None where the graph fell back.
+    # The benchmark's overhead command reaches a region's program through it.
+    region: weakref.ReferenceType[Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def fell_back(self) -> bool:

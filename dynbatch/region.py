@@ -46,10 +46,11 @@ there, only the plain path exists and the others raise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -97,7 +98,7 @@ class Region:
         is_input = self.is_input
         self.program = Program(
             _graph_program(self.gm, is_input), recompile, "region",
-            compiled=lambda inputs, others: compiled(*_merge(is_input, inputs, others)),
+            compiled=lambda inputs, others: self.compiled(*_merge(is_input, inputs, others)),
             random_ops=tuple(random_ops), region=self)
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time]); None until one has.
@@ -132,6 +133,21 @@ class Region:
                             "graph alone: %s: %s", type(e).__name__, e)
                 self.with_grads = None
         return self.program(inputs, others)
+
+    @contextlib.contextmanager
+    def program_replaced(self, program: Callable[..., Any]) -> Iterator[None]:
+        """Inside the block, every path of this region runs ``program(*args)`` (the
+        graph's arguments, in order) where it would run its compiled program, which
+        stays ``self.compiled`` for the replacement to wrap.  For measurement only:
+        ``python -m dynbatch.bench overhead`` times the program with a timer around
+        it, and Dynamo's frame, its guards and this region alone with a program that
+        returns a precomputed result.  Reach a region through its compile record
+        (``dynbatch.compile_records()[i].region()``)."""
+        real, self.compiled = self.compiled, program
+        try:
+            yield
+        finally:
+            self.compiled = real
 
     def learn_grads_at_forward(self, out_grads, needed) -> None:
         """After a create_graph backward that one output of one element received:

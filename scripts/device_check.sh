@@ -7,8 +7,9 @@
 #   PHASES="bench" (default): the CUDA benchmark, every workload, the newest first
 #       (BENCH_ARGS replaces the default arguments below).
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel
-#       with the OpInfo sweep on CUDA (OPINFO_K narrows it); OVERHEAD_TIMEOUT>0
-#       then runs scripts/call_overhead.py.
+#       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
+#       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
+#       `python -m dynbatch.bench overhead`.
 #   PHASES="bench tests": both, in that order.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -38,7 +39,7 @@ for phase in ${PHASES:-bench}; do
     # Correctness runs side by side: nothing here is timed.
     timeout "${PYTEST_TIMEOUT:-240}" "${PYTEST[@]}" $(workers "${TEST_WORKERS:-4}") $TESTS > /tmp/pytest.log 2>&1 &
     tests=$!
-    DYNBATCH_OPINFO_DEVICE="$DEVICE" DYNBATCH_OPINFO_STRIDE=1 DYNBATCH_OPINFO_RECORD=/tmp/opinfo.json \
+    DYNBATCH_OPINFO_DEVICE="$DEVICE" DYNBATCH_OPINFO_STRIDE=1 \
       timeout "${OPINFO_TIMEOUT:-240}" "${PYTEST[@]}" $(workers "${OPINFO_WORKERS:-10}") tests/test_opinfo.py \
       ${OPINFO_K:+-k "$OPINFO_K"} > /tmp/opinfo.log 2>&1 &
     opinfo=$!
@@ -46,11 +47,10 @@ for phase in ${PHASES:-bench}; do
     wait $opinfo; echo "opinfo exit $?" >> /tmp/opinfo.log
     section pytest; cat /tmp/pytest.log >> "$LOG"
     section opinfo; cat /tmp/opinfo.log >> "$LOG"
-    section opinfo figures; python3 scripts/opinfo_figures.py /tmp/opinfo.json* >> "$LOG" 2>&1
     tail -3 /tmp/pytest.log; tail -3 /tmp/opinfo.log; grep -E "^(FAILED|ERROR)" /tmp/pytest.log /tmp/opinfo.log | head -30
     if [ "${OVERHEAD_TIMEOUT:-0}" -gt 1 ]; then
       section call overhead
-      timeout "$OVERHEAD_TIMEOUT" python3 scripts/call_overhead.py --device "$DEVICE" --batch-sizes 1,4,16 \
+      timeout "$OVERHEAD_TIMEOUT" python3 -m dynbatch.bench overhead --device "$DEVICE" --batch-sizes 1,4,16 \
         >> "$LOG" 2>&1
     fi
     ;;

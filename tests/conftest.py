@@ -15,6 +15,29 @@ AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": 
 FALLBACK = {"dynbatch.on_unsupported": "fallback"}
 
 
+# The key under which a pytest-xdist worker hands the controller its OpInfo outcomes
+# (test_opinfo.records()); the controller prints their figures, merged.
+OPINFO_WORKER_OUTPUT = "dynbatch_opinfo_outcomes"
+_OPINFO_FROM_WORKERS: list[dict] = []
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node, error):
+    outcomes = getattr(node, "workeroutput", {}).get(OPINFO_WORKER_OUTPUT)
+    if outcomes:
+        _OPINFO_FROM_WORKERS.append(outcomes)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _OPINFO_FROM_WORKERS:
+        return
+    import test_opinfo  # tests/ is on sys.path, as for every test module's imports
+
+    terminalreporter.section("dynbatch OpInfo figures, every worker's")
+    for line in test_opinfo.figures(test_opinfo.merge_records(_OPINFO_FROM_WORKERS)):
+        terminalreporter.write_line(line)
+
+
 def reset_all() -> None:
     torch._dynamo.reset()
     dynbatch.reset()

@@ -345,3 +345,115 @@ def test_pinning_holds_threads_started_later():
         assert cores == [min(saved)] and seen == [{min(saved)}]
     finally:
         os.sched_setaffinity(0, saved)
+
+
+# --- the other commands: python -m dynbatch.bench overhead | ab | gemm, --single-call -----
+
+def _table(printed: str) -> list[dict[str, str]]:
+    """The rows of the markdown table a command printed, by column name."""
+    lines = [line for line in printed.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def _number(cell: str) -> float:
+    return float(cell.removeprefix("×"))
+
+
+def test_overhead_splits_a_dynbatch_call(capsys):
+    assert main(["overhead", "--quick", "--workloads", "sweep", "--batch-sizes", "2,3",
+                 "--variants", "eager_batched,dynbatch"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert [(r["case"], r["column"]) for r in rows] == [
+        ("B=2", "eager_batched"), ("B=2", "dynbatch"), ("B=3", "eager_batched"), ("B=3", "dynbatch")]
+    for row in rows:
+        assert _number(row["whole us"]) > 0, row
+        # the sweep's MLP runs at least its 3 forward products, eager or compiled
+        assert _number(row["products us"]) > 0 and int(row["products/call"]) >= 3, row
+        if row["column"] == "dynbatch":
+            # Dynamo's frame and guards and the region without the program; the program alone
+            assert _number(row["stack us"]) > 0 and _number(row["program us"]) > 0, row
+        else:  # no dynbatch region to look inside
+            assert row["stack us"] == row["program us"] == "–", row
+
+
+def test_ab_runs_each_setting_on_the_same_cells(capsys):
+    assert main(["ab", "dynbatch.memory_budget=None,256", "--option", "dynbatch.inner_compiler=aot_eager",
+                 "--quick", "--workloads", "sweep", "--batch-sizes", "2,3"]) == 0
+    rows = _table(capsys.readouterr().out)
+    none, tight = "dynbatch.memory_budget=None", "dynbatch.memory_budget=256"
+    assert [(r["case"], r["column"]) for r in rows] == [("B=2", none), ("B=2", tight), ("B=3", none), ("B=3", tight)]
+    for row in rows:
+        assert _number(row["median ms"]) > 0 and _number(row["first call s"]) > 0, row
+        assert int(row["faults"]) >= 0 and _number(row["peak MiB"]) >= 0, row
+        assert _number(row["max abs diff"]) <= 1e-5, row  # the same grads, chunked or not
+    assert rows[0]["/ first"] == "×1.00" and _number(rows[1]["/ first"]) > 0
+    # the first call of each column compiles; a 256-byte budget runs the grad in chunks
+    assert rows[0]["graphs compiled"] == "unchunked" and "chunks of" in rows[1]["graphs compiled"]
+
+
+def test_ab_reads_option_values_as_python_does():
+    from dynbatch.bench import ab
+
+    assert ab.setting("dynbatch.memory_budget=None,32MiB,1024") == (
+        "dynbatch.memory_budget", [("None", None), ("32MiB", "32MiB"), ("1024", 1024)])
+    assert ab.option("cpp_wrapper=True") == ("cpp_wrapper", True)
+    for bad in (["dynbatch.cpu_matmul"], ["dynbatch.cpu_matmul=aten", "--option", "a=1,2"]):
+        with pytest.raises(SystemExit):
+            ab.parse_args(bad)
+
+
+def test_gemm_times_every_kernel(capsys):
+    from dynbatch import matmul_kernels
+
+    assert main(["gemm", "--quick", "--m", "8,64", "--kn", "16"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert [(r["M"], r["K = N"]) for r in rows] == [("8", "16"), ("64", "16")]
+    kernels = ["aten"] + (["onednn"] if matmul_kernels.onednn_available() else [])
+    for row in rows:
+        assert all(_number(row[f"{k} GF/s"]) > 0 for k in kernels), row
+        if "onednn" in kernels:
+            assert _number(row["onednn / aten time"]) > 0, row
+
+
+def test_single_call_times_one_steady_call_per_cell(tmp_path):
+    s = settings_from(parse_args(["--single-call", "--workloads", "full_hessian", "--atoms", "1000"]))
+    assert not s.interleave and s.budget.max_reps == 1 and not s.budget.warm_up and s.reference == "eager_loop"
+    assert main(["--single-call", "--quick", "--workloads", "sweep", "--batch-sizes", "2,3",
+                 "--variants", "dynbatch,eager_batched", "--out", str(tmp_path), "--no-progress"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    # without eager_loop, errors are against the first column to run
+    assert results["meta"]["error_reference"] == "eager_batched" and results["meta"]["timing"] == "sequential"
+    for case in results["problems"][0]["cases"]:
+        for variant, cell in case["variants"].items():
+            assert cell["status"] == "ok" and cell["reps"] == len(cell["times_s"]) == 1, (variant, cell)
+            assert cell["median_s"] > 0 and cell["first_call_s"] > 0 and cell["timing"] == "sequential"
+        assert case["variants"]["eager_batched"]["max_abs_err"] == 0.0
+        assert case["variants"]["dynbatch"]["max_abs_err"] <= 1e-5 * max(case["reference_max_abs"], 1.0)
+    assert "## Max abs error against eager_batched" in (tmp_path / "results.md").read_text()
+
+
+def test_a_region_runs_the_program_it_is_given():
+    """The overhead command's hook: a compile record's region, and its program replaced."""
+    import dynbatch
+
+    def f(x):
+        return torch.sin(x) * 2
+
+    compiled = torch.compile(f, backend="dynbatch", options={"dynbatch.inner_compiler": "aot_eager"})
+    x = torch.randn(3, requires_grad=True)
+    compiled(x)
+    (record,) = dynbatch.compile_records()
+    region = record.region()
+    real, seen = region.compiled, []
+
+    def spy(*args):
+        seen.append(len(args))
+        return real(*args)
+
+    with region.program_replaced(spy):
+        y = compiled(x)  # x requires grad: the region's differentiable path
+    assert seen and region.compiled is real
+    torch.testing.assert_close(y, f(x))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, 2 * torch.cos(x))

@@ -42,9 +42,9 @@ Slices:
                 B=1 in all three layouts; and the symbolic-B pass on the first
                 ``SYMBOLIC_SLOW_SAMPLES`` samples.
 The figures (ops matched / expected failures / mismatches, and cases by
-outcome) are printed in the terminal summary; ``DYNBATCH_OPINFO_RECORD=path``
-also writes every outcome to a JSON file (one per worker, ``path.gwN``, under
-pytest-xdist).  ``DYNBATCH_OPINFO_DEVICE=cuda`` sweeps the ops' CUDA kernels
+outcome) are printed in the terminal summary, under pytest-xdist merged from
+every worker's outcomes; ``DYNBATCH_OPINFO_RECORD=path`` also writes every
+outcome to a JSON file (one per worker, ``path.gwN``, under pytest-xdist).  ``DYNBATCH_OPINFO_DEVICE=cuda`` sweeps the ops' CUDA kernels
 (float32 with TF32 off; ``EXPECTED_FAILURES`` holds for both devices).
 
 Run:  .venv/bin/python -m pytest tests/test_opinfo.py -q
@@ -68,6 +68,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import dynbatch
+from conftest import OPINFO_WORKER_OUTPUT
 from helpers_reliability import (
     FALLBACK,
     assert_grads_equal,
@@ -628,8 +629,8 @@ def test_expected_failure_table_is_well_formed():
 def figures(outcomes=None) -> list[str]:
     """Per test kind: ops matched / expected failures / mismatches, and cases by outcome.
 
-    ``outcomes``: this process's (default), or records merged from xdist workers
-    (``load_records``)."""
+    ``outcomes``: this process's (default), or the records of pytest-xdist's workers
+    merged (``merge_records``; conftest.py prints those in the controller's summary)."""
     outcomes = OUTCOMES if outcomes is None else outcomes
     lines = []
     kinds = sorted({kind for kind, _ in outcomes})
@@ -661,16 +662,19 @@ def figures(outcomes=None) -> list[str]:
     return lines
 
 
-def load_records(paths) -> dict[tuple[str, str], list[Result]]:
-    """The outcomes of ``DYNBATCH_OPINFO_RECORD`` files, merged."""
-    import json
+def records(outcomes=None) -> dict[str, list[list[str]]]:
+    """The outcomes as JSON-able data: ``{"kind|key": [[status, detail], ...]}``."""
+    outcomes = OUTCOMES if outcomes is None else outcomes
+    return {f"{k}|{key}": [[r.status, r.detail[:500]] for r in rs] for (k, key), rs in outcomes.items()}
 
+
+def merge_records(many) -> dict[tuple[str, str], list[Result]]:
+    """The outcomes of several ``records()`` (one per pytest-xdist worker), merged."""
     merged: dict[tuple[str, str], list[Result]] = collections.defaultdict(list)
-    for path in paths:
-        with open(path) as f:
-            for name, rs in json.load(f).items():
-                kind, key = name.split("|", 1)
-                merged[(kind, key)].extend(Result(status, detail) for status, detail in rs)
+    for one in many:
+        for name, rs in one.items():
+            kind, key = name.split("|", 1)
+            merged[(kind, key)].extend(Result(status, detail) for status, detail in rs)
     return merged
 
 
@@ -683,17 +687,22 @@ class _FiguresPlugin:
                 terminalreporter.write_line(line)
 
     def pytest_sessionfinish(self, session):
-        # Here, not in the summary: under pytest-xdist each worker holds its own outcomes.
+        # Here, not in the summary: under pytest-xdist each worker holds its own outcomes,
+        # which it hands the controller (conftest.py merges them) ...
+        if not OUTCOMES:
+            return
+        if hasattr(session.config, "workeroutput"):
+            session.config.workeroutput[OPINFO_WORKER_OUTPUT] = records()
+        # ... and writes to a file of its own.
         path = os.environ.get("DYNBATCH_OPINFO_RECORD")
-        if not path or not OUTCOMES:
+        if not path:
             return
         if os.environ.get("PYTEST_XDIST_WORKER"):
             path += "." + os.environ["PYTEST_XDIST_WORKER"]
         import json
 
         with open(path, "w") as f:
-            json.dump({f"{k}|{key}": [[r.status, r.detail[:500]] for r in rs]
-                       for (k, key), rs in OUTCOMES.items()}, f, indent=1)
+            json.dump(records(), f, indent=1)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -41,10 +41,16 @@ class Budget:
     min_reps: int = 9  # ... and at least this many calls were timed,
     max_reps: int = 200  # but never more than this many,
     max_time_s: float = 5.0  # and stop at this time once 3 calls are in (slow cells).
+    warm_up: bool = True  # one untimed call before the timed ones
 
     @classmethod
     def quick(cls) -> "Budget":
         return cls(min_time_s=0.02, min_reps=3, max_reps=20, max_time_s=1.0)
+
+    @classmethod
+    def single_call(cls) -> "Budget":
+        """One timed call after the first, no warm-up: for calls that take minutes."""
+        return cls(min_time_s=0.0, min_reps=1, max_reps=1, max_time_s=0.0, warm_up=False)
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -62,9 +68,10 @@ def first_call(fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, fl
 
 
 def steady_times(fn: Callable[[], Any], sync: Callable[[], None], budget: Budget) -> list[float]:
-    """Seconds per call over repeated calls, after one warm-up call."""
-    fn()
-    sync()
+    """Seconds per call over repeated calls, after one warm-up call (if the budget has one)."""
+    if budget.warm_up:
+        fn()
+        sync()
     times: list[float] = []
     began = time.perf_counter()
     while len(times) < budget.max_reps:
@@ -193,7 +200,7 @@ def _profiled_peak(fn: Callable[[], Any]) -> int:
     """Largest running sum of the allocations and frees the profiler records during ``fn()``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
@@ -205,7 +212,7 @@ def _profiled_peak(fn: Callable[[], Any]) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """Silence file descriptor 2: the profiler's C++ side prints a line at every start and stop."""
     sys.stderr.flush()
     saved = os.dup(2)

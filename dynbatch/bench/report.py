@@ -391,7 +391,7 @@ def _batched_sections(results: dict[str, Any], meta: dict[str, Any], notes: Foot
         "Dynamo graphs (JAX: jit cache entries) compiled while the column ran the cases in the order "
         "listed; a batch size that stays symbolic needs no new graph.",
         graphs_table(results, notes),
-        "## Max abs error against eager_loop",
+        f"## Max abs error against {meta.get('error_reference', 'eager_loop')}",
         error_table(results, notes),
         "## Problems and floors",
         floors_list(results),

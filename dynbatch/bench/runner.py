@@ -52,6 +52,9 @@ class Settings:
     # Time a case's in-process columns and its floor interleaved, after every column's
     # first call (measure.interleaved_times); False: each column alone, as it runs.
     interleave: bool = True
+    # The column every error is measured against (--single-call: the first to run, where
+    # eager_loop does not).
+    reference: str = variants.TRUTH
 
 
 def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
@@ -192,7 +195,7 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
         try:
             cell, result = measure.measure_cell(call, device, settings.budget, runner.to_torch, references[i],
                                                 runner.torch_tensors, steady=not settings.interleave)
-            if variant == variants.TRUTH:
+            if variant == settings.reference:
                 references[i], cell["max_abs_err"] = result, 0.0
                 # The scale errors are read against: float32 error grows with it.
                 record["reference_max_abs"] = result.detach().abs().max().item()
@@ -404,6 +407,7 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "loadavg_at_start": _loadavg(),
         "cold_compile_cache": settings.cold_compile_cache,
         "timing": "interleaved" if settings.interleave else "sequential",
+        "error_reference": settings.reference,
         "dtype": "float32 (TF32 off on CUDA)",
         "memory_method": measure.memory_method(device),
         "variant_descriptions": dict(variants.DESCRIPTIONS),

@@ -9,6 +9,7 @@ who runs the program: eager PyTorch, stock Inductor, dynbatch, or JAX.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import types
 from typing import Any, Callable
@@ -229,12 +230,9 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
     if variant == "compiled_func":
         return _torch_runner(variant, problem, torch.compile(vmap_program(problem)), compiled=True)
     if variant == "dynbatch":
-        return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch"),
-                             compiled=True)
+        return dynbatch_runner(variant, problem)
     if variant == "dynbatch_budget":
-        return _torch_runner(variant, problem, torch.compile(batched_program(problem), backend="dynbatch",
-                                                             options={"dynbatch.memory_budget": TIGHT_BUDGET}),
-                             compiled=True)
+        return dynbatch_runner(variant, problem, {"dynbatch.memory_budget": TIGHT_BUDGET})
     if variant == "dynbatch_cudagraphs":
         return _cudagraphs_runner(problem, device)
     if variant == "dynbatch_outside":
@@ -242,6 +240,23 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
     if variant == "jax":
         return _jax_runner(problem, device)
     raise KeyError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def dynbatch_runner(variant: str, problem: Problem, options: dict[str, Any] | None = None, *,
+                    own_code: bool = False) -> Runner:
+    """``torch.compile(backend="dynbatch", options=options)`` of the batched program.  With
+    ``own_code`` the program has a code object of its own, so Dynamo's cache and its
+    recompile limit, which are per code object, are this column's alone (the ab
+    command compiles one program under several options)."""
+    program = batched_program(problem)
+    if own_code:
+        program = types.FunctionType(program.__code__.replace(co_name=f"{program.__name__}_{next(_OWN_CODE)}"),
+                                     program.__globals__, closure=program.__closure__)
+    return _torch_runner(variant, problem, torch.compile(program, backend="dynbatch", options=options),
+                         compiled=True)
+
+
+_OWN_CODE = itertools.count()
 
 
 def _cudagraphs_runner(problem: Problem, device: torch.device) -> Runner:

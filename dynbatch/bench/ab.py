@@ -1,0 +1,173 @@
+"""``python -m dynbatch.bench ab``: one option at several settings, side by side.
+
+    python -m dynbatch.bench ab dynbatch.cpu_matmul=aten,auto --threads 1
+    python -m dynbatch.bench ab dynbatch.cpu_matmul=aten,onednn --workloads sweep,mlp_jacobian --threads 1
+    python -m dynbatch.bench ab cpp_wrapper=False,True --workloads sweep --batch-sizes 1,4,16
+    python -m dynbatch.bench ab dynbatch.memory_budget=None,32MiB,auto --workloads full_hessian --threads 1
+
+Each setting is a column: the problem's batched program compiled by dynbatch with
+``options={KEY: value}`` (over the ``--option`` settings every column shares;
+a key without the ``dynbatch.`` prefix is Inductor's, as in ``torch.compile``).
+Each column's program has a code object of its own, so the columns do not share
+Dynamo's cache or its recompile limit.  Per case, the columns are first called in
+turn (the first call, compile included; peak memory; the difference from the
+first column's result), then timed interleaved (measure.interleaved_times), so a
+drifting machine slows every column alike.  Also per cell: the minor page faults
+of one steady call (getrusage) and the memory plan of the graphs the case
+compiled (memory.py); at the end, the CPU product kernels ``cpu_matmul="auto"``
+measured (matmul_kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import resource
+import statistics
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+
+import dynbatch
+from dynbatch import matmul_kernels
+
+from . import cli, measure, variants
+from .workloads import WORKLOADS
+
+DEFAULT_WORKLOADS = ("sweep", "mlp_jacobian", "gelu_vjp")
+
+
+def value(text: str) -> Any:
+    """An option's value as Python reads it (``None``, ``True``, ``1024``), else the text (``"256MiB"``)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def setting(text: str) -> tuple[str, list[tuple[str, Any]]]:
+    """``KEY=V1,V2,...`` -> (KEY, [(text, value), ...])."""
+    key, sep, values = text.partition("=")
+    texts = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not key.strip() or not texts:
+        raise argparse.ArgumentTypeError(f"give KEY=VALUE[,VALUE...], got {text!r}")
+    return key.strip(), [(t, value(t)) for t in texts]
+
+
+def option(text: str) -> tuple[str, Any]:
+    key, texts = setting(text)
+    if len(texts) != 1:
+        raise argparse.ArgumentTypeError(f"--option takes one KEY=VALUE, got {text!r}")
+    return key, texts[0][1]
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="dynbatch-bench ab",
+        description="A/B of torch.compile(backend='dynbatch') options on the same cells, in one process: "
+                    "one column per value, timed interleaved, ratios over the first.")
+    parser.add_argument("setting", type=setting,
+                        help="KEY=V1,V2[,...]: one column per value, e.g. dynbatch.cpu_matmul=aten,auto")
+    parser.add_argument("--option", type=option, action="append", default=[],
+                        help="KEY=VALUE every column compiles with (repeatable), "
+                             "e.g. dynbatch.inner_compiler=aot_eager")
+    cli.add_problem_flags(parser, list(WORKLOADS), default_workloads=DEFAULT_WORKLOADS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cli.use_threads(args)
+    device = cli.device(args)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    warnings.filterwarnings("ignore")  # legacy vmap's per-op "performance drop" warnings
+    dynbatch.register()
+    key, values = args.setting
+    shared = dict(args.option)
+    columns = {f"{key}={text}": {**shared, key: v} for text, v in values}
+    first = next(iter(columns))
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; every column: "
+          f"options={shared}; medians, ratios over {first}; faults: minor page faults of one call")
+    print("| problem | case | column | median ms | / first | first call s | peak MiB | faults | graphs compiled "
+          "| max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for problem in cli.problems(args):
+        for row in measure_problem(problem, columns, device, cli.budget(args)):
+            print("| " + " | ".join(row) + " |", flush=True)
+    chosen = matmul_kernels.chosen()
+    if chosen:
+        print("CPU product kernels measured, by (M.bit_length(), K, N): "
+              + ", ".join(f"{k[:3]} {name}" for k, name in sorted(chosen.items(), key=lambda kv: kv[0][:3])))
+    return 0
+
+
+def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.device,
+                    budget: measure.Budget) -> Iterator[list[str]]:
+    """One row (as text) per case and column."""
+    torch._dynamo.reset()  # the columns of the last problem are done with
+    sync = measure.synchronizer(device)
+    cells: list[dict[str, dict[str, Any]]] = [{} for _ in problem.cases]
+    calls: list[dict[str, Callable[[], Any]]] = [{} for _ in problem.cases]
+    references: list[torch.Tensor | None] = [None] * len(problem.cases)
+    for name, options in columns.items():
+        dynbatch.reset()  # the compile records from here on are this column's
+        runner = variants.dynbatch_runner(name, problem, options, own_code=True)
+        for i, case in enumerate(problem.cases):
+            call = functools.partial(runner.call, *runner.prepare(case))
+            compiled_before = _compiles()
+            try:
+                cell, result = measure.measure_cell(call, device, budget, runner.to_torch, references[i],
+                                                    steady=False)
+            except Exception as e:  # noqa: BLE001 - a setting that fails is a result
+                cells[i][name] = {"status": f"crashed: {measure.short_error(e)}"}
+                continue
+            compiled = _compiles() - compiled_before
+            cell["graphs"] = _plans(dynbatch.compile_records()[-compiled:] if compiled else [])
+            cell["faults"] = minor_faults(call, sync)
+            if references[i] is None:
+                references[i], cell["max_abs_err"] = result, 0.0
+            cells[i][name], calls[i][name] = cell, call
+    for case, case_cells, case_calls in zip(problem.cases, cells, calls):
+        for name, figures in measure.interleaved_times(case_calls, sync, budget).items():
+            case_cells[name]["median_s"] = statistics.median(figures["times_s"])
+        base = next(iter(case_cells.values())).get("median_s")
+        for name in columns:
+            cell = case_cells[name]
+            if cell["status"] != "ok":
+                yield [problem.name, case.label, name, cell["status"], "", "", "", "", "", ""]
+                continue
+            yield [problem.name, case.label, name, f"{cell['median_s'] * 1e3:.4g}",
+                   f"×{cell['median_s'] / base:.2f}" if base else "–", f"{cell['first_call_s']:.2f}",
+                   f"{cell['peak_mem_bytes'] / 2 ** 20:.3g}", str(cell["faults"]), cell["graphs"],
+                   "–" if cell["max_abs_err"] is None else f"{cell['max_abs_err']:.2g}"]
+
+
+def minor_faults(call: Callable[[], Any], sync: Callable[[], None]) -> int:
+    """Minor page faults of this process during one call (getrusage)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    call()
+    sync()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def _compiles() -> int:
+    """dynbatch's compiles so far: one compile record each (the last 64 are kept)."""
+    counts = dynbatch.counters()
+    return counts.get("graphs", 0) + counts.get("chunk_programs", 0)
+
+
+def _plans(records) -> str:
+    """The graphs a case compiled and how each runs its batched grads (memory.py's plan)."""
+    plans = []
+    for record in records:
+        if record.chunk_program:
+            continue
+        if record.fell_back:
+            plans.append("fell back")
+            continue
+        chunked = [p for p in record.memory_plan if p.applied]
+        plans.append(", ".join(f"chunks of {p.chunk_size}" for p in chunked) if chunked else "unchunked")
+    return "; ".join(plans) or "none (an earlier graph)"

@@ -1,0 +1,99 @@
+"""``python -m dynbatch.bench gemm``: one float32 CPU product by each kernel, alone.
+
+    python -m dynbatch.bench gemm --threads 1
+    python -m dynbatch.bench gemm --m 512,1024,2048 --kn 128 --threads 1
+
+``[M, K] @ [N, K].T``, the batched backward's tall product (NOTE [CPU matmul
+kernels] in dynbatch/matmul_kernels.py), by each kernel of
+``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, and oneDNN's
+linear, where torch has it) and, when JAX is importable, XLA's dot at "highest"
+precision (its figure includes ``jax.jit``'s dispatch), timed interleaved
+(measure.interleaved_times).  GFLOP/s per kernel and shape, and oneDNN's time
+over ATen's: what ``cpu_matmul="auto"`` and ``matmul_kernels.MIN_ROWS`` decide
+from.  With ``--threads N`` the process is pinned to N cores before XLA sizes its
+thread pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from dynbatch import matmul_kernels
+
+from . import cli, measure
+
+ROWS = (8, 64, 512, 1024, 2048, 4096, 8192)
+WIDTHS = (128, 512)
+QUICK = ((8, 64), (32,))
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="dynbatch-bench gemm",
+        description="One float32 product [M, K] @ [N, K].T by each CPU kernel (ATen's mm, oneDNN's linear, "
+                    "XLA's dot when JAX is installed), timed interleaved.")
+    parser.add_argument("--m", type=lambda t: cli.sizes(t, "--m"), default=None,
+                        help=f"comma list of rows M (default {','.join(map(str, ROWS))})")
+    parser.add_argument("--kn", type=lambda t: cli.sizes(t, "--kn"), default=None,
+                        help=f"comma list of K = N (default {','.join(map(str, WIDTHS))})")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and a short timing budget")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice); the process is pinned to "
+                             "that many cores first, XLA's thread pool included")
+    parser.add_argument("--min-time", type=float, default=None,
+                        help="seconds of timing per kernel and shape (default 0.5; --quick: 0.02)")
+    args = parser.parse_args(argv)
+    args.device = "cpu"  # for cli.use_threads
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cli.use_threads(args)
+    kernels = kernel_calls()
+    rows, widths = QUICK if args.quick else (ROWS, WIDTHS)
+    budget = measure.Budget.quick() if args.quick else measure.Budget(min_time_s=0.5, min_reps=20, max_reps=2000)
+    if args.min_time is not None:
+        budget = dataclasses.replace(budget, min_time_s=args.min_time)
+    ratio = "aten" in kernels and "onednn" in kernels
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s, medians")
+    print("| M | K = N | " + " | ".join(f"{k} GF/s" for k in kernels) + (" | onednn / aten time |" if ratio else " |"))
+    print("|---|---|" + "---|" * (len(kernels) + ratio), flush=True)
+    for k in args.kn or widths:
+        for m in args.m or rows:
+            a, w = torch.randn(m, k), torch.randn(k, k)
+            calls = {name: make(a, w) for name, make in kernels.items()}
+            timed = measure.interleaved_times(calls, lambda: None, budget)
+            med = {name: statistics.median(t["times_s"]) for name, t in timed.items()}
+            flops = 2 * m * k * k / 1e9
+            cells = [f"{flops / med[name]:.3g}" for name in kernels]
+            if ratio:
+                cells.append(f"×{med['onednn'] / med['aten']:.2f}")
+            print(f"| {m} | {k} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+def kernel_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], Any]]]:
+    """name -> (a, w) -> a thunk computing ``a @ w.T`` by that kernel."""
+    calls = {name: (lambda a, w, kernel=kernel: lambda: kernel(a, w))
+             for name, kernel in matmul_kernels.KERNELS.items()
+             if name != "onednn" or matmul_kernels.onednn_available()}
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        return calls
+    jax.config.update("jax_default_matmul_precision", "highest")
+    dot = jax.jit(lambda a, w: a @ w.T)
+
+    def xla(a: torch.Tensor, w: torch.Tensor) -> Callable[[], Any]:
+        ja, jw = jnp.asarray(a.numpy()), jnp.asarray(w.numpy())
+        return lambda: dot(ja, jw).block_until_ready()
+
+    calls["xla"] = xla
+    return calls

@@ -1,0 +1,250 @@
+"""``python -m dynbatch.bench overhead``: where a small batched grad's time goes.
+
+    python -m dynbatch.bench overhead --threads 1                     # the sweep, B = 1, 4, 16
+    python -m dynbatch.bench overhead --device cuda --batch-sizes 1,4,16
+    python -m dynbatch.bench overhead --workloads hessian,attention --variants dynbatch,jax
+
+Per case of each problem, the columns (the benchmark's, built by variants.py) are
+first called in the benchmark's order, so the graphs timed are the ones the
+benchmark times; then, in one process and interleaved (measure.interleaved_times):
+
+- ``whole``: the column's call;
+- ``stack`` (columns compiled by dynbatch): the same call with every region's
+  program replaced by one that returns its last result at once
+  (``Region.program_replaced``): Dynamo's frame, its guards, the bytecode
+  around the graph and dynbatch's region, what a call of any torch.compile
+  backend pays before its program runs;
+- ``program`` (the same columns): the regions' compiled programs (AOTAutograd's
+  and Inductor's wrappers and the kernels), timed inside the whole calls;
+- ``kernels``: on CUDA, the device time of the kernels a call launches and their
+  count (torch's profiler, the median over a few calls); on the CPU, the matrix
+  products a call runs (the outermost ``mm``, ``bmm``, ``addmm`` and oneDNN
+  linear calls the profiler records, which Inductor's program calls out to),
+  each replayed alone and warm by the fastest torch kernel for its shapes (ATen's
+  with either operand layout, or oneDNN's linear): stack + products is the time
+  the call would take if everything else in its program (pointwise kernels,
+  allocations, Inductor's wrapper) took none.  JAX's calls are outside torch's
+  profiler.
+
+Medians in microseconds; the timers around a program add well under a
+microsecond to its whole call.  On a shared CPU use ``--threads 1`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+
+import dynbatch
+
+from dynbatch import matmul_kernels
+
+from . import cli, measure, variants
+from .workloads import WORKLOADS
+
+# The default columns: the compiled ones a small call is compared across.
+COLUMNS = ("compiled_func", "dynbatch", "dynbatch_cudagraphs", "jax")
+# The CPU's kernel figure: matrix products, by the names the profiler records.
+PRODUCTS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise"})
+PROFILED_CALLS = 10  # CUDA: calls profiled for the kernels' figure
+REPLAY_BUDGET = measure.Budget(min_time_s=0.05, min_reps=20, max_reps=300)  # CPU: a product replayed alone
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="dynbatch-bench overhead",
+        description="Per-call overhead of the benchmark's columns: each call's time beside the time of "
+                    "Dynamo's frame, guards and dynbatch's region without the program, the compiled "
+                    "program's, and the kernels'.")
+    cli.add_problem_flags(parser, list(WORKLOADS), default_workloads=("sweep",))
+    parser.add_argument("--variants", type=lambda t: cli.names(t, [v for v in variants.VARIANTS
+                                                                  if v != "stock_compile"], "variant(s)"),
+                        default=None, help=f"comma list of columns, default {','.join(COLUMNS)} "
+                                           f"(less {','.join(variants.CUDA_ONLY)} on the CPU)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cli.use_threads(args)
+    device = cli.device(args)
+    columns = args.variants or tuple(c for c in COLUMNS if device.type == "cuda" or c not in variants.CUDA_ONLY)
+    if device.type == "cuda":
+        # Full fp32 matmuls, as the benchmark runs them.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    warnings.filterwarnings("ignore")  # legacy vmap's per-op "performance drop" warnings
+    dynbatch.register()
+    kernels = "kernels" if device.type == "cuda" else "products"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__} on {name}, {torch.get_num_threads()} threads; medians in us")
+    print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for problem in cli.problems(args):
+        for row in measure_problem(problem, columns, device, cli.budget(args)):
+            print("| " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+def measure_problem(problem, columns, device: torch.device, budget: measure.Budget) -> Iterator[list[str]]:
+    """One row of figures per case and column (as text), the columns timed interleaved per case."""
+    torch._dynamo.reset()  # the columns' programs share code objects across problems
+    sync = measure.synchronizer(device)
+    built: dict[str, tuple[variants.Runner, list[tuple], Programs]] = {}
+    skipped: dict[str, str] = {}
+    for column in columns:
+        dynbatch.reset()  # the compile records from here on are this column's
+        try:
+            runner = variants.build(column, problem, device)
+            inputs = [runner.prepare(case) for case in problem.cases]
+            for args in inputs:  # every case once, in order: the benchmark's graphs
+                runner.call(*args)
+                sync()
+        except variants.VariantUnavailable as e:
+            skipped[column] = f"skipped: {e}"
+            continue
+        except Exception as e:  # noqa: BLE001 - a crashing column is a row, not the end
+            skipped[column] = f"crashed: {measure.short_error(e)}"
+            continue
+        regions = [r.region() for r in dynbatch.compile_records() if r.region is not None and not r.chunk_program]
+        built[column] = (runner, inputs, Programs([r for r in regions if r is not None]))
+    with contextlib.ExitStack() as installed:
+        for _, _, programs in built.values():
+            installed.enter_context(programs.installed())
+        for i, case in enumerate(problem.cases):
+            calls: dict[str, Callable[[], Any]] = {}
+            for column, (runner, inputs, programs) in built.items():
+                calls[column] = programs.whole(functools.partial(runner.call, *inputs[i]))
+                if programs.regions:
+                    calls[column]()  # this case's results, for its stack calls
+                    sync()
+                    calls[f"{column} stack"] = programs.stack(functools.partial(runner.call, *inputs[i]))
+            timed = measure.interleaved_times(calls, sync, budget) if calls else {}
+            for column in columns:
+                if column in skipped:
+                    yield [problem.name, case.label, column, skipped[column], "", "", "", ""]
+                    continue
+                runner, _, programs = built[column]
+                whole = _median_us(timed[column]["times_s"])
+                stack = _median_us(timed[f"{column} stack"]["times_s"]) if programs.regions else None
+                program = _median_us(programs.spent) if programs.regions else None
+                kernel_s, launched = (kernels_per_call(calls[column], sync, device) if runner.torch_tensors
+                                      else (None, None))
+                yield [problem.name, case.label, column, _fmt(whole), _fmt(stack), _fmt(program),
+                       _fmt(None if kernel_s is None else kernel_s * 1e6), "–" if launched is None else str(launched)]
+                programs.spent.clear()
+
+
+class Programs:
+    """The compiled programs of one column's regions while it is measured: each runs
+    the real program, timed (``whole`` calls), or returns that program's last result
+    at once (``stack`` calls)."""
+
+    def __init__(self, regions: list) -> None:
+        self.regions = regions
+        self.precomputed = False
+        self.spent: list[float] = []  # seconds in the programs, per whole call
+        self._in_call = 0.0
+        self._results: dict[int, Any] = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for region in self.regions:
+                stack.enter_context(region.program_replaced(self._program(region.compiled, id(region))))
+            yield
+
+    def _program(self, real: Callable[..., Any], key: int) -> Callable[..., Any]:
+        def program(*args):
+            if self.precomputed:
+                return self._results[key]
+            start = time.perf_counter()
+            result = real(*args)
+            self._in_call += time.perf_counter() - start
+            self._results[key] = result
+            return result
+
+        return program
+
+    def whole(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        def run():
+            self.precomputed, self._in_call = False, 0.0
+            result = call()
+            if self.regions:
+                self.spent.append(self._in_call)
+            return result
+
+        return run
+
+    def stack(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        def run():
+            self.precomputed = True
+            return call()
+
+        return run
+
+
+def kernels_per_call(call: Callable[[], Any], sync: Callable[[], None], device: torch.device) -> tuple[float, int]:
+    """(seconds, count) per call: on CUDA of the kernels launched, the median over calls
+    profiled one by one; on the CPU of the matrix products, each replayed alone by the
+    fastest torch kernel for its shapes (``fastest_product_s``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        products = recorded_products(call)
+        return sum(fastest_product_s(op, shapes) for op, shapes in products), len(products)
+    seconds, counts = [], []
+    for _ in range(PROFILED_CALLS):
+        sync()
+        with measure.quiet_stderr(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            sync()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        seconds.append(sum(e.device_time for e in events) / 1e6)
+        counts.append(len(events))
+    return statistics.median(seconds), int(statistics.median(counts))
+
+
+def recorded_products(call: Callable[[], Any]) -> list[tuple[str, tuple]]:
+    """(op, input shapes) of every matrix product one call runs, outermost only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with measure.quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        call()
+    return [(e.name, tuple(tuple(s) for s in e.input_shapes)) for e in prof.events()
+            if e.name in PRODUCTS and not (e.cpu_parent is not None and e.cpu_parent.name in PRODUCTS)]
+
+
+@functools.cache
+def fastest_product_s(op: str, shapes: tuple) -> float:
+    """Seconds of one float32 CPU product of these shapes by the fastest torch kernel for it,
+    warm: ATen's with either layout of the second operand, or oneDNN's linear."""
+    if op == "aten::bmm":
+        (b, m, k), (_, _, n) = shapes[:2]
+        x, y = torch.randn(b, m, k), torch.randn(b, k, n)
+        y_t = y.mT.contiguous().mT
+        kernels = [lambda: torch.bmm(x, y), lambda: torch.bmm(x, y_t)]
+    else:
+        if op == "aten::addmm":
+            shapes = shapes[1:]
+        (m, k), n = shapes[0], shapes[1][0] if op == "mkldnn::_linear_pointwise" else shapes[1][1]
+        a, w = torch.randn(m, k), torch.randn(n, k)
+        w_t = w.t().contiguous()
+        kernels = [lambda: torch.mm(a, w_t), *(
+            lambda kernel=kernel: kernel(a, w) for name, kernel in matmul_kernels.KERNELS.items()
+            if name != "onednn" or matmul_kernels.onednn_available())]
+    return min(statistics.median(measure.steady_times(kernel, lambda: None, REPLAY_BUDGET)) for kernel in kernels)
+
+
+def _median_us(times: list[float]) -> float:
+    return statistics.median(times) * 1e6
+
+
+def _fmt(us: float | None) -> str:
+    return "–" if us is None else f"{us:.1f}"
