@@ -20,10 +20,12 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.torch_version import TorchVersion
 
+from . import fail_soft
+
 TORCH_VERSION = TorchVersion(torch.__version__)
 # Half-open range of the releases dynbatch is tested on.  Others install and run
 # (pyproject.toml has no upper bound); dynbatch warns once at first use, and a
-# hook whose internals moved turns itself off (``hook_failed``).  TorchVersion
+# hook whose internals moved turns itself off (``fail_soft.hook_failed``).  TorchVersion
 # compares numerically, so "2.9" < "2.11" holds.
 MIN_TORCH, MAX_TORCH = "2.11", "2.15"
 
@@ -41,9 +43,9 @@ def torch_is_supported() -> bool:
 def warn_once_if_untested() -> None:
     """At a backend's first compile (not at import: importing is not using)."""
     if not torch_is_supported():
-        _warn_once("version", f"dynbatch is tested on torch {MIN_TORCH} up to (not including) {MAX_TORCH}, "
-                              f"not {TORCH_VERSION}; a feature whose torch internals changed turns "
-                              "itself off with a warning")
+        fail_soft.warn_once("version", f"dynbatch is tested on torch {MIN_TORCH} up to (not including) "
+                                       f"{MAX_TORCH}, not {TORCH_VERSION}; a feature whose torch internals "
+                                       "changed turns itself off with a warning")
 
 
 # --- a torch bug around threads ------------------------------------------
@@ -75,7 +77,7 @@ def fake_cuda_guard_outlives_threads() -> None:
         try:
             call_on_a_lasting_thread(ensure)
         except Exception as e:  # noqa: BLE001 - only threaded compiles are at risk
-            hook_failed("keeping FakeTensorMode's CUDA guard alive across threads", e)
+            fail_soft.hook_failed("keeping FakeTensorMode's CUDA guard alive across threads", e)
 
 
 def call_on_a_lasting_thread(fn: Callable[[], Any]) -> None:
@@ -95,47 +97,6 @@ def call_on_a_lasting_thread(fn: Callable[[], Any]) -> None:
 
     threading.Thread(target=run_then_park, name="dynbatch-fake-cuda-guard", daemon=True).start()
     done.wait()
-
-
-# --- failing soft ------------------------------------------------------------
-# Every hook into torch internals below is one feature.  When a hook cannot be
-# installed (an attribute moved, a signature changed, an op overload is gone),
-# that feature is off for this process, with one warning naming it, and
-# compiles go on without it: stock Dynamo's behaviour (a graph break, an eager
-# grad) or functorch's own batching rule.  Never a crash of every compile.
-
-HOOK_FAILURES: dict[str, str] = {}  # feature -> why it is off
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    import warnings
-
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def hook_failed(feature: str, error: BaseException | str) -> None:
-    """Record that ``feature`` is off, and say so once."""
-    reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    HOOK_FAILURES.setdefault(feature, reason)
-    _warn_once("hook:" + feature, f"dynbatch: {feature} is off on torch {torch.__version__} "
-                                  f"({reason}); compiles go on without it")
-
-
-@contextlib.contextmanager
-def soft(feature: str, make_context: Callable[[], Any]) -> Iterator[None]:
-    """Enter ``make_context()`` if it can be entered; otherwise ``hook_failed``
-    and run the block without it.  Errors raised by the block itself pass."""
-    stack = contextlib.ExitStack()
-    if feature not in HOOK_FAILURES:
-        try:
-            stack.enter_context(make_context())
-        except Exception as e:  # noqa: BLE001 - a moved internal turns one feature off
-            hook_failed(feature, e)
-    with stack:
-        yield
 
 
 # --- autograd -------------------------------------------------------------
@@ -561,7 +522,7 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
     except (TypeError, ValueError) as e:
         # Without the hook dynbatch cannot scope its capture: torch.autograd.grad
         # graph-breaks as under stock Dynamo and runs eagerly, with eager's values.
-        hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
+        fail_soft.hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
         return
 
     @functools.wraps(original)
@@ -695,7 +656,7 @@ def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key:
                 except Exception as e:  # noqa: BLE001 - an op gone from this torch keeps functorch's rule
                     failed.append((op, e))
         for op, e in failed:  # outside the block above, which silences warnings
-            hook_failed(f"the batching rule for {namespace}::{op}", e)
+            fail_soft.hook_failed(f"the batching rule for {namespace}::{op}", e)
         yield
     finally:
         lib._destroy()  # drops our kernels; the C++ ones are in effect again
@@ -808,7 +769,7 @@ def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
         try:
             return _extern_alloc(*args)
         except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure path
-            hook_failed(f"the direct extern call of {op}", e)
+            fail_soft.hook_failed(f"the direct extern call of {op}", e)
             return inductor_fallback(op)(*args)
 
     def _extern_alloc(*args):

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import _compat
+from . import _compat, fail_soft
 
 
 def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, int]:
@@ -621,7 +621,7 @@ def _aten_op(name: str) -> torch._ops.OpOverload | None:
     try:
         return getattr(torch.ops.aten, name).default
     except AttributeError as e:
-        _compat.hook_failed(f"the batching rule for aten::{name}", e)
+        fail_soft.hook_failed(f"the batching rule for aten::{name}", e)
         return None
 
 

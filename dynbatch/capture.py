@@ -21,7 +21,7 @@ and (5) on torch 2.11 traces ``requires_grad_()`` of in-graph tensors as
 2.13 does (``x.detach().requires_grad_()``; jacobian/hessian call it).
 All five are undone when that frame's compile ends, and each fails soft:
 where a torch release moved what it hooks, that piece is off (one warning,
-``_compat.HOOK_FAILURES``) and the compile goes on with stock behaviour.  Dynamo compiles one frame
+``fail_soft.HOOK_FAILURES``) and the compile goes on with stock behaviour.  Dynamo compiles one frame
 at a time under a global lock, so the scope never overlaps another backend's
 compile, and other backends see stock Dynamo.
 
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, batch_rules
+from . import _compat, batch_rules, fail_soft
 from .batched_grad import batched_grad, forward_mode_jacobian
 
 log = logging.getLogger("dynbatch")
@@ -69,12 +69,12 @@ def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
 def capture_scope():
     """Trace ``torch.autograd.grad`` into the graph, batched grads via functorch.
 
-    Each piece is one feature that fails soft (``_compat.soft``): where this
+    Each piece is one feature that fails soft (``fail_soft.soft``): where this
     torch's internals moved, that piece is off with a warning and the compile
     goes on with stock behaviour (a graph break, functorch's own rule)."""
     _compat.warn_once_if_untested()
     _compat.fake_cuda_guard_outlives_threads()
-    soft = _compat.soft
+    soft = fail_soft.soft
     jacfwd = _compat.functional_forward_jacobian()
     with (
         soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules),

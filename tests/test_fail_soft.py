@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 
 import dynbatch
 from conftest import assert_same_grads
-from dynbatch import _compat, batch_rules, capture, lowering
+from dynbatch import _compat, batch_rules, capture, fail_soft, lowering
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
 
@@ -30,11 +30,11 @@ def args(B=3):
 
 @pytest.fixture(autouse=True)
 def fresh_hooks():
-    _compat.HOOK_FAILURES.clear()
-    _compat._WARNED.clear()
+    fail_soft.HOOK_FAILURES.clear()
+    fail_soft._WARNED.clear()
     yield
-    _compat.HOOK_FAILURES.clear()
-    _compat._WARNED.clear()
+    fail_soft.HOOK_FAILURES.clear()
+    fail_soft._WARNED.clear()
 
 
 def _hook_warnings(record) -> list[str]:
