@@ -569,13 +569,6 @@ def realized_graph_module(gm: Any) -> Any:
     return gm
 
 
-def graph_output_count(gm: Any) -> int:
-    """How many values a Dynamo graph returns (its output node's tuple)."""
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    result = output.args[0]
-    return len(result) if isinstance(result, (tuple, list)) else 1
-
-
 def dynamo_disable(fn: Callable) -> Callable:
     """Keep Dynamo out of ``fn``: a backward of a compiled graph runs whenever the
     user calls it, perhaps under an active torch.compile frame, and dynbatch's own
@@ -933,17 +926,6 @@ def mark_batch_dynamic(t: torch.Tensor) -> None:
     torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
-def find_cause(e: BaseException, kind: type) -> Any:
-    """``e`` or the exception it wraps (Inductor and AOTAutograd wrap errors raised in inner compilers)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, kind):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
-    return None
-
-
 def backed_hints(shape_env: Any) -> dict:
     """Symbol -> value in the example inputs (renamed backed_var_to_val in torch 2.13)."""
     hints = getattr(shape_env, "backed_var_to_val", None)
@@ -971,18 +953,17 @@ def dynamo_skip_frame(fn: Callable) -> Callable:
     return torch._dynamo.disable(fn, recursive=False, reason="dynbatch's chunk loop")
 
 
-def fetch_attr(module: torch.nn.Module, target: str) -> Any:
-    value = module
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
+def empty_graph_like(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """An empty graph that generates code as ``graph`` does: its private ``_codegen``
+    holds Dynamo's pytree handling of inputs and outputs."""
+    new = torch.fx.Graph()
+    new._codegen = graph._codegen
+    return new
 
 
-def compile_sympy(symbols: tuple, exprs: list) -> Callable[..., tuple]:
-    """One Python function evaluating ``exprs`` (which may use torch's sympy functions,
-    FloorDiv, ModularIndexing, ...) at integer values of ``symbols``, printed as Dynamo prints guards."""
+def guard_printer() -> Any:
+    """The printer that writes sympy expressions as Python, as Dynamo prints its guards."""
     from torch.utils._sympy.printers import PythonPrinter
 
-    printer = PythonPrinter()
-    body = ", ".join(printer.doprint(e) for e in exprs)
-    return eval(f"lambda {', '.join(map(str, symbols))}: ({body},)", {"math": __import__("math")})  # noqa: S307
+    return PythonPrinter()
+

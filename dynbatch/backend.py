@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, batching, capture, chunking, lowering, memory, region
+from . import _compat, batching, capture, chunking, fx_utils, lowering, memory, region
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -77,7 +77,7 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
     try:
         compiled = lowering.lower(batched_gm, example_inputs, opts, record, planner)
     except Exception as e:  # noqa: BLE001 - only a Replan is handled here
-        replan = _compat.find_cause(e, memory.Replan)
+        replan = fx_utils.find_cause(e, memory.Replan)
         if replan is None:
             raise
         # A chunk program is compiled like this graph, without a budget.

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, fx_utils
 from .batched_grad import batched_grad
 from .capture import TRACE_ERROR, UNSUPPORTED
 
@@ -80,10 +80,7 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    graph._codegen = gm.graph._codegen  # keep pytree in/out handling
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
+    graph = fx_utils.copy_graph(gm.graph)
     # Keep what Dynamo attached to the graph (e.g. the shape env, dynamo_flat_name_to_original_fqn).
     new_gm = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
     new_gm.meta.update(getattr(gm, "meta", {}))

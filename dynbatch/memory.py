@@ -31,7 +31,7 @@ import sympy
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, fx_utils
 
 log = logging.getLogger("dynbatch")
 
@@ -131,7 +131,7 @@ class Estimate:
     def __post_init__(self):
         self.symbols = tuple(sorted({s for e in (self.batch, *self.live) for s in e.free_symbols}, key=str))
         # Evaluated at every chunked call: compiled once, not sympy's subs.
-        self._evaluate = _compat.compile_sympy(self.symbols, [self.batch, *self.live])
+        self._evaluate = fx_utils.compile_sympy(self.symbols, [self.batch, *self.live])
 
     def bytes_per_sample(self, values: dict[sympy.Symbol, int] | None = None) -> int:
         values = {**self.hints, **(values or {})}

@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, fx_utils
 from .records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -92,7 +92,7 @@ class Region:
             and torch.is_grad_enabled()
         )
         self.is_input = tuple(i in self.diff_args for i in range(len(example_inputs)))
-        self.n_outputs = _compat.graph_output_count(self.gm)
+        self.n_outputs = fx_utils.graph_output_count(self.gm)
         self.mutates_differentiable_input = mutates_differentiable_input
         is_input = self.is_input
         self.program = Program(
