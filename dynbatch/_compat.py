@@ -144,7 +144,7 @@ def legacy_vmap_level() -> int:
     keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
     level = torch._C._vmapmode_increment_nesting()
     torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
-    if keyed and level == 1:  # a device thread's key without its count (_legacy_level_of)
+    if keyed and level == 1:  # a device thread's key without its count (region_batching._legacy_level_of)
         torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
     return level - 1
 
@@ -153,17 +153,26 @@ def is_legacy_batched(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_legacy_batchedtensor(t)
 
 
-def _legacy_level_of(t: torch.Tensor, most: int = 64) -> int:
-    """The first legacy vmap level that batches ``t`` (0: none up to ``most``).
+def functorch_level(t: torch.Tensor) -> int:
+    """The vmap level of ``t``'s outermost functorch wrapper (-1: a plain tensor)."""
+    return torch._C._functorch.maybe_get_level(t)
 
-    For a backward on one of autograd's device threads (CUDA): the engine carries
-    the caller's dispatch keys there, vmap's among them, but not vmap's level
-    count, so ``legacy_vmap_level()`` reads 0.  ``_remove_batch_dim`` of a level
-    the tensor lacks expands to the given size instead, which tells them apart."""
-    for level in range(1, most + 1):
-        if torch._remove_batch_dim(t, level, 0, 0).shape[0] == torch._remove_batch_dim(t, level, 1, 0).shape[0]:
-            return level
-    return 0
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def is_functorch_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_batchedtensor(t)
+
+
+def legacy_remove_batch_dim(t: torch.Tensor, level: int, batch_size: int, out_dim: int) -> torch.Tensor:
+    """The physical tensor of legacy vmap ``level``; a tensor not batched there is expanded to ``batch_size``."""
+    return torch._remove_batch_dim(t, level, batch_size, out_dim)
+
+
+def legacy_add_batch_dim(t: torch.Tensor, batch_dim: int, level: int) -> torch.Tensor:
+    return torch._add_batch_dim(t, batch_dim, level)
 
 
 @contextlib.contextmanager
@@ -172,7 +181,7 @@ def outside_legacy_vmap() -> Iterator[None]:
     depth = legacy_vmap_level()
     for _ in range(depth):
         torch._C._vmapmode_decrement_nesting()
-    # On a device thread the key is on with a count of 0 (_legacy_level_of).
+    # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
     keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
     if keyed:
         torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
@@ -185,71 +194,10 @@ def outside_legacy_vmap() -> Iterator[None]:
             torch._C._vmapmode_increment_nesting()
 
 
-class Batching:
-    """How a set of grads is batched: by eager's legacy vmap or by torch.func."""
-
-    def __init__(self, kind: str, level: int) -> None:
-        self.kind, self.level = kind, level
-
-    @contextlib.contextmanager
-    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]):
-        """Yield (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this vmap level.
-
-        Grads not batched at this level are expanded to B.  ``rewrap`` turns
-        physical [B, ...] results (or None) back into batched tensors.
-        """
-        physical = [(i, self._unwrap(g)) for i, g in out_grads]
-        sizes = {p.shape[0] for (_, p), (_, g) in zip(physical, out_grads) if self._is_batched(g)}
-        batch_size = sizes.pop()
-        physical = [(i, p if self._is_batched(g) else p.expand(batch_size, *p.shape))
-                    for (i, p), (_, g) in zip(physical, out_grads)]
-        # Legacy vmap's dispatch key rejects random ops (Inductor draws some while it
-        # compiles) in every tensor op, batched or not.
-        with outside_legacy_vmap() if self.kind == "legacy" else contextlib.nullcontext():
-            yield physical, batch_size, self._rewrap
-
-    def _is_batched(self, g: torch.Tensor) -> bool:
-        if self.kind == "legacy":
-            return is_legacy_batched(g)
-        return torch._C._functorch.maybe_get_level(g) == self.level
-
-    def _unwrap(self, g: torch.Tensor) -> torch.Tensor:
-        if not self._is_batched(g):
-            return g
-        if self.kind == "legacy":
-            # A batched tensor's own batch size is used; the size argument is for unbatched ones.
-            return torch._remove_batch_dim(g, self.level, 0, 0)
-        value, bdim = torch._C._functorch._unwrap_batched(g, self.level)
-        return value.movedim(bdim, 0)
-
-    def _rewrap(self, grads: tuple) -> tuple:
-        add = torch._add_batch_dim if self.kind == "legacy" else torch._C._functorch._add_batch_dim
-        return tuple(None if g is None else add(g, 0, self.level) for g in grads)
-
-
 def engine_will_execute(node: Any) -> bool:
     """Whether the running backward will execute ``node`` (refused for a leaf's
     AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
     return torch._C._will_engine_execute_node(node)
-
-
-def batching_of(grads: list[torch.Tensor]) -> Batching | None:
-    """The vmap that batches these grads, or None for plain tensors.  One batch
-    level is unwrapped; anything deeper is "nested", for paths (an eager
-    re-run) that take any batching as it comes."""
-    legacy = [g for g in grads if is_legacy_batched(g)]
-    if legacy:
-        level = legacy_vmap_level() or _legacy_level_of(legacy[0])
-        if level and not any(is_legacy_batched(torch._remove_batch_dim(g, level, 0, 0)) for g in legacy):
-            return Batching("legacy", level)
-        return Batching("nested", -1)
-    wrapped = [g for g in grads if torch._C._functorch.is_functorch_wrapped_tensor(g)]
-    if not wrapped:
-        return None
-    levels = {torch._C._functorch.maybe_get_level(g) for g in wrapped}
-    if len(levels) == 1 and all(torch._C._functorch.is_batchedtensor(g) for g in wrapped):
-        return Batching("functorch", levels.pop())
-    return Batching("nested", -1)
 
 
 # --- Dynamo ---------------------------------------------------------------
@@ -966,4 +914,3 @@ def guard_printer() -> Any:
     from torch.utils._sympy.printers import PythonPrinter
 
     return PythonPrinter()
-

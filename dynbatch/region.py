@@ -55,6 +55,7 @@ import torch
 import torch.fx
 
 from . import _compat, fx_utils
+from .region_batching import batching_of
 from .records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -426,7 +427,7 @@ class _ProgramFunction(torch.autograd.Function):
 def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad):
     """Pick the path for one backward call (NOTE [Region backward])."""
     cotangents = [g for _, g in out_grads]
-    batching = _compat.batching_of(cotangents)
+    batching = batching_of(cotangents)
     if program.linear is not None:
         grads = _grads_from_forward(program, out_grads, needed, batching, forward_grads)
         if grads is not None:
@@ -558,7 +559,7 @@ class _FirstOrderOnly(torch.autograd.Function):
     @staticmethod
     @_compat.dynamo_disable
     def backward(ctx, *grads):
-        if torch.is_grad_enabled() or _compat.batching_of([g for g in grads if g is not None]):
+        if torch.is_grad_enabled() or batching_of([g for g in grads if g is not None]):
             raise RuntimeError(
                 "dynbatch: this compiled graph mutates an input that requires grad in place, so "
                 "its backward is first-order and unbatched only; create_graph=True or batched "
