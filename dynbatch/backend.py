@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, batching, capture, chunking, fx_utils, lowering, memory, region
+from . import _compat, batching, capture, chunking, fx_utils, lowering, memory, region, requires_grad_tracing
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -35,7 +35,7 @@ def dynbatch_backend(
 ) -> Callable[..., Any]:
     opts = Options.from_compile_args(mode, options)
     record = CompileRecord(chunk_program=chunk_program)
-    example_inputs = _compat.with_traced_requires_grad(gm, example_inputs)
+    example_inputs = requires_grad_tracing.with_traced_requires_grad(gm, example_inputs)
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
@@ -119,7 +119,7 @@ def _fall_back(gm: torch.fx.GraphModule, record: CompileRecord, opts: Options, r
     if opts.on_unsupported == "error":
         raise UnsupportedGraph(f"dynbatch cannot batch this graph: {reason}")
     log.warning("dynbatch: falling back to eager for this graph: %s", reason)
-    marked = _compat.inputs_given_requires_grad(gm)
+    marked = requires_grad_tracing.inputs_given_requires_grad(gm)
     if not marked:
         return gm.forward
 

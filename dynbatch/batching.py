@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from . import _compat, fx_utils
+from . import _compat, fx_utils, requires_grad_tracing
 from .batched_grad import batched_grad
 from .capture import TRACE_ERROR, UNSUPPORTED
 
@@ -53,7 +53,7 @@ def is_batched_grad_call(node: torch.fx.Node) -> bool:
 
 def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
     """Rewrite batched grad calls in a copy of ``gm``; report what could not be."""
-    if _compat.leaks_traced_requires_grad(gm):
+    if requires_grad_tracing.leaks_traced_requires_grad(gm):
         return BatchingResult(gm, (), (), (Unsupported(
             "output", "it returns a tensor made from a leaf that requires_grad_() created inside the graph, "
                       "with requires_grad (AOTAutograd would drop its autograd state; torch 2.13 graph-breaks)"),))

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, batch_rules, fail_soft
+from . import _compat, batch_rules, fail_soft, requires_grad_tracing
 from .batched_grad import batched_grad, forward_mode_jacobian
 
 log = logging.getLogger("dynbatch")
@@ -85,9 +85,10 @@ def capture_scope():
         soft("the forward-mode Jacobian",
              lambda: _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
              else contextlib.nullcontext()),
-        soft("tracing requires_grad_() (torch 2.11)", _compat.dynamo_traces_requires_grad_of_intermediates),
+        soft("tracing requires_grad_() (torch 2.11)",
+             requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),
         # after the line above: inputs here, the rest passed on to it
-        soft("tracing requires_grad_() of graph inputs", _compat.dynamo_traces_requires_grad_of_inputs),
+        soft("tracing requires_grad_() of graph inputs", requires_grad_tracing.dynamo_traces_requires_grad_of_inputs),
     ):
         yield
 

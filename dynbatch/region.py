@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _compat, fx_utils
+from . import _compat, fx_utils, requires_grad_tracing
 from .region_batching import batching_of
 from .records import STATS
 
@@ -86,7 +86,7 @@ class Region:
         self.gm = _compat.realized_graph_module(gm)
         self.compiled = compiled
         # Inputs the graph calls requires_grad_() on: set on the real tensors at each call.
-        self.sets_requires_grad = _compat.inputs_given_requires_grad(self.gm)
+        self.sets_requires_grad = requires_grad_tracing.inputs_given_requires_grad(self.gm)
         self.diff_args = tuple(
             i for i, a in enumerate(example_inputs)
             if isinstance(a, torch.Tensor) and (a.requires_grad or i in self.sets_requires_grad)

@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 
 import dynbatch
 from conftest import assert_same_grads
-from dynbatch import _compat, batch_rules, capture, fail_soft, lowering
+from dynbatch import _compat, batch_rules, capture, fail_soft, lowering, requires_grad_tracing
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
 
@@ -94,7 +94,7 @@ def test_a_moved_requires_grad_hook_leaves_dynamos_graph_break(monkeypatch):
     def moved():
         raise AttributeError("InstructionTranslatorBase.dispatch_table")
 
-    monkeypatch.setattr(_compat, "dynamo_traces_requires_grad_of_inputs", moved)
+    monkeypatch.setattr(requires_grad_tracing, "dynamo_traces_requires_grad_of_inputs", moved)
 
     def forces(w, pos):
         pos.requires_grad_(True)
