@@ -8,8 +8,6 @@ torch version means editing this file only.  Tested: torch 2.11 - 2.14.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import threading
 from typing import Any, Callable, Iterator
 
@@ -221,55 +219,6 @@ def trace_autograd_ops_enabled() -> Any:
     return torch._dynamo.config.patch(trace_autograd_ops=True)
 
 
-@contextlib.contextmanager
-def dynamo_inlines_module(module_name: str) -> Iterator[None]:
-    """Let Dynamo trace *into* a torch module's functions instead of calling them.
-
-    Dynamo lists ``torch.autograd.functional.jacobian`` and friends as
-    in-graph functions and then cannot put them in the graph (they take a
-    Python callable), so it graph-breaks.  Inlining them exposes the
-    ``torch.autograd.grad(..., is_grads_batched=True)`` call inside.
-    """
-    from torch._dynamo import trace_rules
-    from torch._dynamo.variables import UserFunctionVariable
-
-    rules = trace_rules.get_torch_obj_rule_map()  # functools.cache: one shared dict
-    saved = {k: v for k, v in rules.items() if getattr(k, "__module__", None) == module_name}
-    rules.update(dict.fromkeys(saved, UserFunctionVariable))
-    try:
-        yield
-    finally:
-        rules.update(saved)
-
-
-@contextlib.contextmanager
-def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[None]:
-    """While the block runs, Dynamo traces ``replacement`` wherever user code
-    calls ``original`` (its polyfill mechanism, scoped instead of global).
-    Eager calls of ``original`` are unchanged, and guards see the same object."""
-    from torch._dynamo import trace_rules
-    from torch._dynamo.variables.functions import PolyfilledFunctionVariable
-
-    rules = trace_rules.get_torch_obj_rule_map()
-    handlers = PolyfilledFunctionVariable._get_polyfill_handlers()
-    saved_rule, saved_handler = rules.get(original), handlers.get(original)
-
-    @functools.wraps(original)
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **kwargs)
-
-    handler.__torch_dynamo_polyfill__ = replacement  # type: ignore[attr-defined]
-    rules[original], handlers[original] = PolyfilledFunctionVariable, handler
-    try:
-        yield
-    finally:
-        for table, value in ((rules, saved_rule), (handlers, saved_handler)):
-            if value is None:
-                table.pop(original, None)
-            else:
-                table[original] = value
-
-
 def dynamo_utils_module() -> Any:
     """The module whose ``run_node`` Dynamo calls to fake-run each captured node."""
     import torch._dynamo.utils as dynamo_utils
@@ -277,40 +226,6 @@ def dynamo_utils_module() -> Any:
     if not hasattr(dynamo_utils, "run_node"):  # pragma: no cover - version guard
         raise ImportError(f"torch {torch.__version__}: torch._dynamo.utils.run_node is gone")
     return dynamo_utils
-
-
-def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
-    """Enter ``scope_for(backend)`` around each Dynamo frame compile.
-
-    Dynamo has no public hook that runs before tracing *and* knows the
-    backend: ``torch.compile`` does not forward a backend's
-    ``backend_ctx_ctor``, and compile start/end callbacks are wiped by
-    ``torch._dynamo.reset()``.  ``convert_frame._compile`` is the per-frame
-    entry point and receives the backend as ``compiler_fn``; we wrap it once.
-    For other backends the wrapper only unwraps the backend and compares it.
-    """
-    import torch._dynamo.convert_frame as convert_frame
-
-    original = getattr(convert_frame, "_compile", None)
-    if getattr(original, "_dynbatch_original", None) is not None:
-        return
-    try:
-        params = list(inspect.signature(original).parameters)
-        position = params.index("compiler_fn")
-    except (TypeError, ValueError) as e:
-        # Without the hook dynbatch cannot scope its capture: torch.autograd.grad
-        # graph-breaks as under stock Dynamo and runs eagerly, with eager's values.
-        fail_soft.hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
-        return
-
-    @functools.wraps(original)
-    def _compile(*args: Any, **kwargs: Any) -> Any:
-        backend = args[position] if len(args) > position else kwargs.get("compiler_fn")
-        with scope_for(unwrap_backend(backend)):
-            return original(*args, **kwargs)
-
-    _compile._dynbatch_original = original  # type: ignore[attr-defined]
-    convert_frame._compile = _compile
 
 
 def register_backend(fn: Callable, name: str) -> None:
@@ -322,20 +237,6 @@ def register_backend(fn: Callable, name: str) -> None:
 
     if name not in getattr(registry, "_COMPILER_FNS", {}):
         registry.register_backend(fn, name=name)
-
-
-def unwrap_backend(fn: Any) -> Any:
-    """Peel Dynamo's and torch.compile's wrappers off a backend callable."""
-    seen = set()
-    while fn is not None and id(fn) not in seen:
-        seen.add(id(fn))
-        if hasattr(fn, "_torchdynamo_orig_backend"):  # WrapBackendDebug, callbacks
-            fn = fn._torchdynamo_orig_backend
-        elif hasattr(fn, "compiler_fn"):  # torch._TorchCompileWrapper
-            fn = fn.compiler_fn
-        elif isinstance(fn, functools.partial):
-            fn = fn.func
-    return fn
 
 
 def realized_graph_module(gm: Any) -> Any:

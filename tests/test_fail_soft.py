@@ -73,7 +73,7 @@ def test_a_capture_piece_that_cannot_enter_is_off_and_the_rest_works(monkeypatch
     def moved(module_name):
         raise AttributeError("trace_rules.get_torch_obj_rule_map")
 
-    monkeypatch.setattr(_compat, "dynamo_inlines_module", moved)
+    monkeypatch.setattr(capture, "dynamo_inlines_module", moved)
 
     def jac(x):
         return torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ W), x, vectorize=True)
