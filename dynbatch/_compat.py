@@ -144,6 +144,11 @@ def legacy_vmap_level() -> int:
     return level - 1
 
 
+def legacy_vmap_active() -> bool:
+    """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
+    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+
+
 def is_legacy_batched(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_legacy_batchedtensor(t)
 
@@ -306,38 +311,15 @@ def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
 
 # --- functorch ------------------------------------------------------------
 
-@contextlib.contextmanager
-def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key: str) -> Iterator[None]:
-    """Register each ``op -> fn`` as the op's kernel for ``dispatch_key``; restore on exit.
-
-    ``op`` is an OpOverload or an op name in ``namespace``.
-    """
-    import warnings
-
-    lib = torch.library.Library(namespace, "IMPL")
-    failed = []
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
-            for op, fn in kernels.items():
-                try:
-                    if isinstance(op, str) and not hasattr(getattr(torch.ops, namespace), op):
-                        # The dispatcher would take an impl for a name it does not know, silently.
-                        raise AttributeError(f"no operator {namespace}::{op}")
-                    lib.impl(op, fn, dispatch_key)
-                except Exception as e:  # noqa: BLE001 - an op gone from this torch keeps functorch's rule
-                    failed.append((op, e))
-        for op, e in failed:  # outside the block above, which silences warnings
-            fail_soft.hook_failed(f"the batching rule for {namespace}::{op}", e)
-        yield
-    finally:
-        lib._destroy()  # drops our kernels; the C++ ones are in effect again
-
-
 def decomposition_table() -> dict:
     from torch._decomp import decomposition_table as table
 
     return table
+
+
+def drop_library(lib: torch.library.Library) -> None:
+    """Unregister every kernel ``lib`` registered: the ones it overrode are in effect again."""
+    lib._destroy()
 
 
 def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
@@ -429,33 +411,6 @@ def register_extern_kernel(name: str, fn: Callable) -> None:
     setattr(extern_kernels, name, fn)
 
 
-def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
-                          out_cols: tuple[int, int]) -> Callable:
-    """A lowering of ``op`` that calls ``extern_kernels.<name>(*tensors, *constants)`` from the
-    generated code, a plain Python call (the op would go through the dispatcher, 10-20 us on a
-    small product); its output is a new contiguous matrix [size(out_rows, 0), size(out_cols)].
-    Where Inductor's IR differs from what this expects, the op's own extern call instead."""
-    from torch._inductor import ir
-
-    def lower(*args):
-        try:
-            return _extern_alloc(*args)
-        except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure path
-            fail_soft.hook_failed(f"the direct extern call of {op}", e)
-            return inductor_fallback(op)(*args)
-
-    def _extern_alloc(*args):
-        tensors = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(a))
-                   for a in args if isinstance(a, ir.IRNode)]
-        constants = tuple(a for a in args if not isinstance(a, ir.IRNode))
-        size = [tensors[out_rows].get_size()[0], tensors[out_cols[0]].get_size()[out_cols[1]]]
-        layout = ir.FixedLayout(tensors[0].get_device(), tensors[0].get_dtype(), size)
-        return ir.TensorBox.create(ir.ExternKernelAlloc(layout, tensors, constant_args=constants,
-                                                        python_kernel_name=f"extern_kernels.{name}"))
-
-    return lower
-
-
 def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
     """Inductor's lowering that calls the aten kernel (an extern call)."""
     from torch._inductor import lowering
@@ -468,6 +423,17 @@ def is_symbolic(size: Any) -> bool:
     if isinstance(size, torch.SymInt):
         return size.node.expr.free_symbols != set()
     return bool(getattr(size, "free_symbols", None))
+
+
+def inductor_patterns_registered(device: torch.device | None) -> None:
+    """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
+    compile, otherwise), with both vmaps set aside: it traces example functions."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
+        joint_graph.lazy_init(device)
+        post_grad.lazy_init()
 
 
 def real_tensors():
@@ -494,20 +460,6 @@ def aot_autograd(**kwargs: Any) -> Callable:
     from torch._dynamo.backends.common import aot_autograd as _aot_autograd
 
     return _aot_autograd(**kwargs)
-
-
-@contextlib.contextmanager
-def torch_internal_deprecations_hidden() -> Iterator[None]:
-    """Hide Future/DeprecationWarnings raised *by torch modules* while dynbatch
-    lowers a graph (Inductor's aten.diagonal lowering calls the deprecated
-    ``torch._prims_common.check``): code that asserts no warnings should not
-    see torch's notes to itself.  Warnings attributed to user code still show."""
-    import warnings
-
-    with warnings.catch_warnings():
-        for category in (FutureWarning, DeprecationWarning):
-            warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
-        yield
 
 
 def aot_config_patch(**settings: Any) -> Any:
@@ -560,25 +512,6 @@ def current_grad_node_name() -> str | None:
     """The Dynamo grad node AOTAutograd is tracing now (it replays node meta while it traces)."""
     meta = torch.fx.traceback.get_current_meta() if torch.fx.traceback.has_preserved_node_meta() else None
     return (meta or {}).get(GRAD_NODE_META)
-
-
-def inductor_patterns_registered_outside_transforms(example_inputs: Any) -> None:
-    """Inductor registers its pattern-matcher patterns at a process's first compile,
-    by tracing example functions, one of which draws ``randperm``.  When that first
-    compile happens under a functorch transform (a region's backward taken inside
-    vmap, eager's legacy one or functorch's), the tracing fails: "random operations
-    inside of vmap".  Register them with both set aside; Inductor's own calls then
-    find them cached (the same device argument)."""
-    if (not legacy_vmap_level() and not torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-            and not functorch_transform_active()):
-        return
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-    from torch._inductor.fx_passes import joint_graph, post_grad
-
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
-        joint_graph.lazy_init(device)
-        post_grad.lazy_init()
 
 
 def functorch_transform_active() -> bool:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Sequence
+import warnings
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -656,4 +657,30 @@ def all_rules() -> dict:
 
 def symbolic_batch_rules() -> contextlib.AbstractContextManager:
     """Our rules in place of functorch's (or of its per-sample fallback), until the context exits."""
-    return _compat.override_kernels("aten", all_rules(), "FuncTorchBatched")
+    return override_kernels("aten", all_rules(), "FuncTorchBatched")
+
+
+@contextlib.contextmanager
+def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key: str) -> Iterator[None]:
+    """Register each ``op -> fn`` as the op's kernel for ``dispatch_key``; restore on exit.
+
+    ``op`` is an OpOverload or an op name in ``namespace``.
+    """
+    lib = torch.library.Library(namespace, "IMPL")
+    failed = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
+            for op, fn in kernels.items():
+                try:
+                    if isinstance(op, str) and not hasattr(getattr(torch.ops, namespace), op):
+                        # The dispatcher would take an impl for a name it does not know, silently.
+                        raise AttributeError(f"no operator {namespace}::{op}")
+                    lib.impl(op, fn, dispatch_key)
+                except Exception as e:  # noqa: BLE001 - an op gone from this torch keeps functorch's rule
+                    failed.append((op, e))
+        for op, e in failed:  # outside the block above, which silences warnings
+            fail_soft.hook_failed(f"the batching rule for {namespace}::{op}", e)
+        yield
+    finally:
+        _compat.drop_library(lib)  # the C++ kernels are in effect again
