@@ -375,6 +375,13 @@ def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
     return dict(wrapper.config)
 
 
+def inductor_config_value(name: str) -> Any:
+    """Inductor's global config setting ``name`` (what a graph gets unless its options patch it)."""
+    from torch._inductor import config as inductor_config
+
+    return getattr(inductor_config, name)
+
+
 def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
     from torch._inductor.compile_fx import compile_fx as _compile_fx
 
@@ -520,6 +527,16 @@ def functorch_transform_active() -> bool:
 
 def is_view_op(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """A ZeroTensor: autograd's grad known to be zero, with no storage of its own."""
+    return t._is_zerotensor()
+
+
+def op_schema(op: torch._ops.OpOverload) -> Any:
+    """An op overload's ``FunctionSchema`` (its private ``_schema``): name and arguments."""
+    return op._schema
 
 
 def add_shape_guard(condition: Any) -> None:

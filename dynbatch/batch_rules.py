@@ -488,10 +488,11 @@ def fold_attention_backward(op: torch._ops.OpOverload, per_sample: Sequence[str]
     """Rule for a CUDA attention backward, as sdpa_flash_cpu_backward is for
     the CPU one: B folds into the attention batch N, one call on [B*N, ...].
     With dropout, or a per-call argument batched, the per-sample loop stays."""
-    names = [a.name for a in op._schema.arguments]
+    schema = _compat.op_schema(op)
+    names = [a.name for a in schema.arguments]
     folded = [names.index(n) for n in per_sample]
     bias_at = None if bias is None else names.index(bias)
-    bmhk = op._schema.name == "aten::_efficient_attention_backward"  # [N, L, H, E]; the rest [N, H, L, E]
+    bmhk = schema.name == "aten::_efficient_attention_backward"  # [N, L, H, E]; the rest [N, H, L, E]
 
     def rule(*args, **kwargs):
         level = _compat.current_vmap_level()
@@ -608,9 +609,9 @@ def decomposed_rules() -> dict[torch._ops.OpOverload, Callable]:
         if (
             isinstance(op, torch._ops.OpOverload)
             and op.namespace == "aten"
-            and "backward" in op._schema.name
+            and "backward" in _compat.op_schema(op).name
             and not op.is_view
-            and not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in _compat.op_schema(op).arguments)
             and not _compat.functorch_has_batch_rule(op)
         ):
             rules[op] = _per_sample_unless_first_order(op, decomposition)

@@ -118,9 +118,8 @@ def _cpu_matmul(options: Options) -> str:
     """The CPU product kernel choice this graph can take: Inductor's C++ wrapper
     (``cpp_wrapper``) calls extern kernels from C++ and has no call for the routed
     Python kernel (its codegen fails), so there every product stays ATen's ``mm``."""
-    from torch._inductor import config as inductor_config
-
-    if options.cpu_matmul != "aten" and options.inductor_config.get("cpp_wrapper", inductor_config.cpp_wrapper):
+    if options.cpu_matmul != "aten" and options.inductor_config.get(
+            "cpp_wrapper", _compat.inductor_config_value("cpp_wrapper")):
         log.debug("dynbatch: cpp_wrapper is on: CPU products stay with ATen (dynbatch.cpu_matmul=%r ignored)",
                   options.cpu_matmul)
         return "aten"
@@ -138,7 +137,7 @@ def _extern_when_weight_is_symbolic(weight: int, groups: int) -> Callable:
 
     def wrap(op: torch._ops.OpOverload, lowering: Callable) -> Callable:
         extern = _compat.inductor_fallback(op)
-        names = [a.name for a in op._schema.arguments]
+        names = [a.name for a in _compat.op_schema(op).arguments]
 
         def lower_convolution(*args, **kwargs):
             w, g = (args[i] if i < len(args) else kwargs[names[i]] for i in (weight, groups))

@@ -110,7 +110,7 @@ def mark(tensors: Sequence[torch.Tensor | None], role: int, create_graph: bool) 
 def _lazy(t: torch.Tensor) -> bool:
     """Zero tensors (a grad known to be zero) and conj/neg views: an op would materialise
     them, at sizes it reads as ints (specialising B); they hold no batched memory anyway."""
-    return t._is_zerotensor() or t.is_conj() or t.is_neg()
+    return _compat.is_zero_tensor(t) or t.is_conj() or t.is_neg()
 
 
 def _is_marker(node: torch.fx.Node) -> bool:
