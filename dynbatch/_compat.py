@@ -1,8 +1,9 @@
-"""The one place that touches private torch APIs.
+"""Version shims and thin wrappers over private torch APIs, by torch subsystem.
 
-Dynamo, AOTAutograd and autograd internals move between releases; everything
-dynbatch needs from them goes through the small functions below so that a new
-torch version means editing this file only.  Tested: torch 2.11 - 2.14.
+Dynamo, AOTAutograd, functorch and Inductor internals move between releases;
+the stages reach them through the small functions below.  Stage logic stays in
+its stage (a stage module that patches torch internals itself says so), and a
+hook that fails turns one feature off (fail_soft.py).  Tested: torch 2.11 - 2.14.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from torch.torch_version import TorchVersion
 
 from . import fail_soft
 
+
+# --- versions --------------------------------------------------------------------
+
 TORCH_VERSION = TorchVersion(torch.__version__)
+
 # Half-open range of the releases dynbatch is tested on.  Others install and run
 # (pyproject.toml has no upper bound); dynbatch warns once at first use, and a
 # hook whose internals moved turns itself off (``fail_soft.hook_failed``).  TorchVersion
 # compares numerically, so "2.9" < "2.11" holds.
 MIN_TORCH, MAX_TORCH = "2.11", "2.15"
-
 
 # Dynamo traces Tensor.requires_grad_() inside a compiled function from 2.12 on
 # (seen on 2.12.1 and 2.13.0); 2.11 graph-breaks on it (seen on 2.11.0), which
@@ -43,7 +47,422 @@ def warn_once_if_untested() -> None:
                                        "changed turns itself off with a warning")
 
 
-# --- a torch bug around threads ------------------------------------------
+# --- Dynamo ----------------------------------------------------------------------
+
+def trace_autograd_ops_enabled() -> Any:
+    """A context manager that lets Dynamo put ``torch.autograd.grad`` in the graph."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
+
+
+def dynamo_utils_module() -> Any:
+    """The module whose ``run_node`` Dynamo calls to fake-run each captured node."""
+    import torch._dynamo.utils as dynamo_utils
+
+    if not hasattr(dynamo_utils, "run_node"):  # pragma: no cover - version guard
+        raise ImportError(f"torch {torch.__version__}: torch._dynamo.utils.run_node is gone")
+    return dynamo_utils
+
+
+def register_backend(fn: Callable, name: str) -> None:
+    """``register_backend`` unless ``name`` has a compiler already (the entry
+    point loaded it, or an earlier call): registering a name twice raises.
+    ``_COMPILER_FNS`` holds the loaded ones on 2.11-2.14; ``_BACKENDS`` may
+    hold the entry point itself (2.14) or None (2.13), so it cannot tell."""
+    from torch._dynamo.backends import registry
+
+    if name not in getattr(registry, "_COMPILER_FNS", {}):
+        registry.register_backend(fn, name=name)
+
+
+def dynamo_disable(fn: Callable) -> Callable:
+    """Keep Dynamo out of ``fn``: a backward of a compiled graph runs whenever the
+    user calls it, perhaps under an active torch.compile frame, and dynbatch's own
+    plumbing is not user code to compile."""
+    return torch._dynamo.disable(fn, reason="dynbatch's region backward")
+
+
+def dynamo_skip_frame(fn: Callable) -> Callable:
+    """Dynamo does not trace ``fn``'s own frame, but compiled functions it calls still compile
+    (``disable``'s default, recursive, would run them eagerly)."""
+    return torch._dynamo.disable(fn, recursive=False, reason="dynbatch's chunk loop")
+
+
+def mark_batch_dynamic(t: torch.Tensor) -> None:
+    """Let Dynamo compile the batch dim of a chunk symbolic from its first call.  A chunk of one
+    (even chunks have one only when the chunk size is below 3, or B is 1) is still specialised."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions Dynamo uses to steer tracing; they must pass through us."""
+    from torch._dynamo import exc as dynamo_exc
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    excs: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
+    for mod, name in [
+        (fake_tensor, "DataDependentOutputException"),
+        (fake_tensor, "DynamicOutputShapeException"),
+        (fake_tensor, "UnsupportedOperatorException"),
+        (fake_tensor, "UnsupportedFakeTensorException"),
+        (symbolic_shapes, "GuardOnDataDependentSymNode"),
+        (symbolic_shapes, "PendingUnbackedSymbolNotFound"),
+    ]:
+        if hasattr(mod, name):
+            excs.append(getattr(mod, name))
+    return tuple(excs)
+
+
+def restart_analysis_exceptions() -> tuple[type[BaseException], ...]:
+    """What AOTAutograd raises to make Dynamo re-trace the frame (e.g.
+    TensorifyScalarRestartAnalysis); a backend must let these through."""
+    from torch._dynamo import exc as dynamo_exc
+
+    restart = getattr(dynamo_exc, "RestartAnalysis", None)
+    return (restart,) if restart is not None else ()
+
+
+# --- AOTAutograd -----------------------------------------------------------------
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+
+    return _aot_autograd(**kwargs)
+
+
+def make_boxed_func(fn: Callable) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
+
+    return _make_boxed_func(fn)
+
+
+def aot_config_patch(**settings: Any) -> Any:
+    """AOTAutograd config for one compile; settings this torch lacks are skipped."""
+    import torch._functorch.config as aot_config
+
+    return aot_config.patch(**{k: v for k, v in settings.items() if hasattr(aot_config, k)})
+
+
+@contextlib.contextmanager
+def donated_buffers_off() -> Iterator[None]:
+    """AOTAutograd's global ``donated_buffer`` off, for a backward that retains
+    its graph (checked at backward time).  Runs on every region backward, so it
+    sets the flag rather than ``config.patch`` (which builds a class per call)."""
+    import torch._functorch.config as aot_config
+
+    if not getattr(aot_config, "donated_buffer", False):
+        yield
+        return
+    aot_config.donated_buffer = False
+    try:
+        yield
+    finally:
+        aot_config.donated_buffer = True
+
+
+def aot_mutates_differentiable_input() -> bool:
+    """While AOTAutograd compiles a graph: does it write in place to an input that
+    requires grad?  Unknown metadata answers True (the cautious answer)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    infos = getattr(meta, "input_info", None)
+    if infos is None:
+        return True
+    return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
+
+
+GRAD_NODE_META = "dynbatch_grad"  # node.meta key: the Dynamo grad node a batched_grad call came from
+
+
+def current_grad_node_name() -> str | None:
+    """The Dynamo grad node AOTAutograd is tracing now (it replays node meta while it traces)."""
+    meta = torch.fx.traceback.get_current_meta() if torch.fx.traceback.has_preserved_node_meta() else None
+    return (meta or {}).get(GRAD_NODE_META)
+
+
+# --- functorch and vmap (torch.func's, and eager's legacy one) -------------------
+
+def functorch_transform_active() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def current_vmap_level() -> int:
+    from torch._C import _functorch
+
+    return _functorch.current_level()
+
+
+def functorch_level(t: torch.Tensor) -> int:
+    """The vmap level of ``t``'s outermost functorch wrapper (-1: a plain tensor)."""
+    return torch._C._functorch.maybe_get_level(t)
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def is_functorch_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_batchedtensor(t)
+
+
+def unwrap_at(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
+    """A tensor's (value, batch dim) at vmap ``level``, as a batching rule sees it:
+    (t, None) when ``t`` is not batched at that level."""
+    from torch._C import _functorch
+
+    return _functorch._unwrap_batched(t, level)
+
+
+def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
+    from torch._C import _functorch
+
+    return _functorch._add_batch_dim(value, bdim, level)
+
+
+def below_vmap() -> Any:
+    """Dispatch past functorch's batching layer (inside a batching rule)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
+def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
+    """Does vmap batch ``op`` with a rule (C++, or one of functorch's Python
+    decompositions), rather than its slow per-sample fallback?"""
+    from torch._functorch.vmap import lazy_load_decompositions
+
+    lazy_load_decompositions()  # functorch registers some rules only on first use
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
+
+
+def decomposition_table() -> dict:
+    from torch._decomp import decomposition_table as table
+
+    return table
+
+
+def legacy_vmap_level() -> int:
+    """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
+    if keyed and level == 1:  # a device thread's key without its count (region_batching._legacy_level_of)
+        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+    return level - 1
+
+
+def legacy_vmap_active() -> bool:
+    """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
+    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+
+
+def is_legacy_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_legacy_batchedtensor(t)
+
+
+def legacy_remove_batch_dim(t: torch.Tensor, level: int, batch_size: int, out_dim: int) -> torch.Tensor:
+    """The physical tensor of legacy vmap ``level``; a tensor not batched there is expanded to ``batch_size``."""
+    return torch._remove_batch_dim(t, level, batch_size, out_dim)
+
+
+def legacy_add_batch_dim(t: torch.Tensor, batch_dim: int, level: int) -> torch.Tensor:
+    return torch._add_batch_dim(t, batch_dim, level)
+
+
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits."""
+    depth = legacy_vmap_level()
+    for _ in range(depth):
+        torch._C._vmapmode_decrement_nesting()
+    # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    if keyed:
+        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
+    try:
+        yield
+    finally:
+        if keyed:
+            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+        for _ in range(depth):
+            torch._C._vmapmode_increment_nesting()
+
+
+# --- Inductor --------------------------------------------------------------------
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """Translate torch.compile's ``mode``/``options`` as the inductor backend does.
+
+    Reusing ``_TorchCompileInductorWrapper`` gives identical validation: an
+    unknown Inductor option raises the same error as under backend="inductor".
+    """
+    wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
+    return dict(wrapper.config)
+
+
+def inductor_config_value(name: str) -> Any:
+    """Inductor's global config setting ``name`` (what a graph gets unless its options patch it)."""
+    from torch._inductor import config as inductor_config
+
+    return getattr(inductor_config, name)
+
+
+def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+
+def compile_fx_inner() -> Callable:
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner
+
+
+def custom_graph_pass_base() -> type:
+    """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+@contextlib.contextmanager
+def inductor_lowerings(wrappers: dict) -> Iterator[None]:
+    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)`` for the
+    length of the block (one graph's lowering); ``lowering`` is None for an op Inductor has
+    no lowering of, which gets one for the block only."""
+    from torch._inductor import lowering
+
+    saved = {op: lowering.lowerings.get(op) for op in wrappers}
+    try:
+        for op, original in saved.items():
+            lowering.lowerings[op] = wrappers[op](op, original)
+        yield
+    finally:
+        for op, original in saved.items():
+            if original is None:
+                lowering.lowerings.pop(op, None)
+            else:
+                lowering.lowerings[op] = original
+
+
+def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
+    """Inductor's lowering that calls the aten kernel (an extern call)."""
+    from torch._inductor import lowering
+
+    return lowering.fallback_handler(op, add_to_fallback_set=False)
+
+
+def register_extern_kernel(name: str, fn: Callable) -> None:
+    """Make ``fn`` callable from Inductor's generated code as ``extern_kernels.<name>``
+    (where Inductor's own extern kernels live), also for code loaded from its FX cache."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    setattr(extern_kernels, name, fn)
+
+
+def is_symbolic(size: Any) -> bool:
+    """An Inductor IR size (sympy) or a SymInt that is not a plain number."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr.free_symbols != set()
+    return bool(getattr(size, "free_symbols", None))
+
+
+def inductor_patterns_registered(device: torch.device | None) -> None:
+    """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
+    compile, otherwise), with both vmaps set aside: it traces example functions."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
+        joint_graph.lazy_init(device)
+        post_grad.lazy_init()
+
+
+# --- autograd and the dispatcher -------------------------------------------------
+
+def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
+    """How ``torch.autograd.grad`` normalises ``grad_outputs``."""
+    return torch.autograd._tensor_or_tensors_to_tuple(tensors, length)
+
+
+def shapes_for_message(output: Any, first_grad: Any, is_grads_batched: bool) -> tuple:
+    """The (output, grad) shapes eager prints in its mismatch message.
+
+    Eager slices the batch dimension off ``grad[0]`` again, so a batched
+    message shows ``grad.shape[2:]``; users compare our text with eager's, so
+    we reuse eager's helper rather than fix it here.
+    """
+    return torch.autograd._calculate_shape(output, first_grad, is_grads_batched)
+
+
+def functional_forward_jacobian() -> Callable | None:
+    """``torch.autograd.functional._jacfwd``, which dynbatch traces as vmap over jvp."""
+    return getattr(torch.autograd.functional, "_jacfwd", None)
+
+
+def functional_as_tuple(*args: Any) -> Any:
+    return torch.autograd.functional._as_tuple(*args)
+
+
+def functional_standard_basis(*args: Any) -> Any:
+    return torch.autograd.functional._construct_standard_basis_for(*args)
+
+
+def functional_tuple_postprocess(*args: Any) -> Any:
+    return torch.autograd.functional._tuple_postprocess(*args)
+
+
+def forward_ad_level() -> int:
+    """The innermost active ``torch.autograd.forward_ad.dual_level`` (-1: none)."""
+    return _forward_ad._current_level
+
+
+def has_tangent(t: torch.Tensor) -> bool:
+    return _forward_ad.unpack_dual(t).tangent is not None
+
+
+def engine_will_execute(node: Any) -> bool:
+    """Whether the running backward will execute ``node`` (refused for a leaf's
+    AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """A ZeroTensor: autograd's grad known to be zero, with no storage of its own."""
+    return t._is_zerotensor()
+
+
+def op_schema(op: torch._ops.OpOverload) -> Any:
+    """An op overload's ``FunctionSchema`` (its private ``_schema``): name and arguments."""
+    return op._schema
+
+
+def is_view_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def drop_library(lib: torch.library.Library) -> None:
+    """Unregister every kernel ``lib`` registered: the ones it overrode are in effect again."""
+    lib._destroy()
+
+
+# The dispatcher's thread-local key sets of plain user code (read when dynbatch loads).
+_USER_DISPATCH_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+@contextlib.contextmanager
+def outside_custom_op() -> Iterator[None]:
+    """Inside a custom op's kernel, as if called from user code: a kernel runs with every key
+    above the backend excluded (no autograd, no functorch), and no dispatch mode that
+    AOTAutograd's runtime set for its checks stays active (under one, Dynamo would not compile)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C._ForceDispatchKeyGuard(*_USER_DISPATCH_KEYS):
+        yield
+
+
+# --- a torch bug around threads (FakeTensorMode's CUDA guard) --------------------
+
 _FAKE_CUDA_GUARD_PINNED = False
 _FAKE_CUDA_GUARD_LOCK = threading.Lock()
 
@@ -94,22 +513,7 @@ def call_on_a_lasting_thread(fn: Callable[[], Any]) -> None:
     done.wait()
 
 
-# --- autograd -------------------------------------------------------------
-
-def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
-    """How ``torch.autograd.grad`` normalises ``grad_outputs``."""
-    return torch.autograd._tensor_or_tensors_to_tuple(tensors, length)
-
-
-def shapes_for_message(output: Any, first_grad: Any, is_grads_batched: bool) -> tuple:
-    """The (output, grad) shapes eager prints in its mismatch message.
-
-    Eager slices the batch dimension off ``grad[0]`` again, so a batched
-    message shows ``grad.shape[2:]``; users compare our text with eager's, so
-    we reuse eager's helper rather than fix it here.
-    """
-    return torch.autograd._calculate_shape(output, first_grad, is_grads_batched)
-
+# --- symbolic shapes, fake tensors and FX ----------------------------------------
 
 def sym_eq(a: Any, b: Any) -> Any:
     from torch.fx.experimental.symbolic_shapes import sym_eq as _sym_eq
@@ -123,170 +527,10 @@ def expect_true(a: Any) -> bool:
     return _expect_true(a)
 
 
-# --- transforms seen at the edge of a compiled region ------------------------
+def has_unbacked_symbols(x: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-def forward_ad_level() -> int:
-    """The innermost active ``torch.autograd.forward_ad.dual_level`` (-1: none)."""
-    return _forward_ad._current_level
-
-
-def has_tangent(t: torch.Tensor) -> bool:
-    return _forward_ad.unpack_dual(t).tangent is not None
-
-
-def legacy_vmap_level() -> int:
-    """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-    level = torch._C._vmapmode_increment_nesting()
-    torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
-    if keyed and level == 1:  # a device thread's key without its count (region_batching._legacy_level_of)
-        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
-    return level - 1
-
-
-def legacy_vmap_active() -> bool:
-    """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
-    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-
-
-def is_legacy_batched(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_legacy_batchedtensor(t)
-
-
-def functorch_level(t: torch.Tensor) -> int:
-    """The vmap level of ``t``'s outermost functorch wrapper (-1: a plain tensor)."""
-    return torch._C._functorch.maybe_get_level(t)
-
-
-def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
-def is_functorch_batched(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_batchedtensor(t)
-
-
-def legacy_remove_batch_dim(t: torch.Tensor, level: int, batch_size: int, out_dim: int) -> torch.Tensor:
-    """The physical tensor of legacy vmap ``level``; a tensor not batched there is expanded to ``batch_size``."""
-    return torch._remove_batch_dim(t, level, batch_size, out_dim)
-
-
-def legacy_add_batch_dim(t: torch.Tensor, batch_dim: int, level: int) -> torch.Tensor:
-    return torch._add_batch_dim(t, batch_dim, level)
-
-
-@contextlib.contextmanager
-def outside_legacy_vmap() -> Iterator[None]:
-    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits."""
-    depth = legacy_vmap_level()
-    for _ in range(depth):
-        torch._C._vmapmode_decrement_nesting()
-    # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-    if keyed:
-        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
-    try:
-        yield
-    finally:
-        if keyed:
-            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
-        for _ in range(depth):
-            torch._C._vmapmode_increment_nesting()
-
-
-def engine_will_execute(node: Any) -> bool:
-    """Whether the running backward will execute ``node`` (refused for a leaf's
-    AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
-    return torch._C._will_engine_execute_node(node)
-
-
-# --- Dynamo ---------------------------------------------------------------
-
-def functional_forward_jacobian() -> Callable | None:
-    """``torch.autograd.functional._jacfwd``, which dynbatch traces as vmap over jvp."""
-    return getattr(torch.autograd.functional, "_jacfwd", None)
-
-
-def functional_as_tuple(*args: Any) -> Any:
-    return torch.autograd.functional._as_tuple(*args)
-
-
-def functional_standard_basis(*args: Any) -> Any:
-    return torch.autograd.functional._construct_standard_basis_for(*args)
-
-
-def functional_tuple_postprocess(*args: Any) -> Any:
-    return torch.autograd.functional._tuple_postprocess(*args)
-
-
-def trace_autograd_ops_enabled() -> Any:
-    """A context manager that lets Dynamo put ``torch.autograd.grad`` in the graph."""
-    return torch._dynamo.config.patch(trace_autograd_ops=True)
-
-
-def dynamo_utils_module() -> Any:
-    """The module whose ``run_node`` Dynamo calls to fake-run each captured node."""
-    import torch._dynamo.utils as dynamo_utils
-
-    if not hasattr(dynamo_utils, "run_node"):  # pragma: no cover - version guard
-        raise ImportError(f"torch {torch.__version__}: torch._dynamo.utils.run_node is gone")
-    return dynamo_utils
-
-
-def register_backend(fn: Callable, name: str) -> None:
-    """``register_backend`` unless ``name`` has a compiler already (the entry
-    point loaded it, or an earlier call): registering a name twice raises.
-    ``_COMPILER_FNS`` holds the loaded ones on 2.11-2.14; ``_BACKENDS`` may
-    hold the entry point itself (2.14) or None (2.13), so it cannot tell."""
-    from torch._dynamo.backends import registry
-
-    if name not in getattr(registry, "_COMPILER_FNS", {}):
-        registry.register_backend(fn, name=name)
-
-
-def realized_graph_module(gm: Any) -> Any:
-    """``gm`` with its generated ``forward`` in place: Dynamo will not trace into
-    a lazy graph module's placeholder ``_lazy_forward`` (MOD_SKIPLIST)."""
-    real_recompile = getattr(gm, "real_recompile", None)  # _LazyGraphModule only
-    if real_recompile is not None:
-        real_recompile()
-    return gm
-
-
-def dynamo_disable(fn: Callable) -> Callable:
-    """Keep Dynamo out of ``fn``: a backward of a compiled graph runs whenever the
-    user calls it, perhaps under an active torch.compile frame, and dynbatch's own
-    plumbing is not user code to compile."""
-    return torch._dynamo.disable(fn, reason="dynbatch's region backward")
-
-
-def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
-    """Exceptions Dynamo uses to steer tracing; they must pass through us."""
-    from torch._dynamo import exc as dynamo_exc
-    from torch._subclasses import fake_tensor
-    from torch.fx.experimental import symbolic_shapes
-
-    excs: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
-    for mod, name in [
-        (fake_tensor, "DataDependentOutputException"),
-        (fake_tensor, "DynamicOutputShapeException"),
-        (fake_tensor, "UnsupportedOperatorException"),
-        (fake_tensor, "UnsupportedFakeTensorException"),
-        (symbolic_shapes, "GuardOnDataDependentSymNode"),
-        (symbolic_shapes, "PendingUnbackedSymbolNotFound"),
-    ]:
-        if hasattr(mod, name):
-            excs.append(getattr(mod, name))
-    return tuple(excs)
-
-
-def restart_analysis_exceptions() -> tuple[type[BaseException], ...]:
-    """What AOTAutograd raises to make Dynamo re-trace the frame (e.g.
-    TensorifyScalarRestartAnalysis); a backend must let these through."""
-    from torch._dynamo import exc as dynamo_exc
-
-    restart = getattr(dynamo_exc, "RestartAnalysis", None)
-    return (restart,) if restart is not None else ()
+    return bool(free_unbacked_symbols(x))
 
 
 @contextlib.contextmanager
@@ -309,236 +553,6 @@ def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
         yield lambda: shape_env.counter["create_unbacked_symbol"] - before
 
 
-# --- functorch ------------------------------------------------------------
-
-def decomposition_table() -> dict:
-    from torch._decomp import decomposition_table as table
-
-    return table
-
-
-def drop_library(lib: torch.library.Library) -> None:
-    """Unregister every kernel ``lib`` registered: the ones it overrode are in effect again."""
-    lib._destroy()
-
-
-def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
-    """Does vmap batch ``op`` with a rule (C++, or one of functorch's Python
-    decompositions), rather than its slow per-sample fallback?"""
-    from torch._functorch.vmap import lazy_load_decompositions
-
-    lazy_load_decompositions()  # functorch registers some rules only on first use
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
-
-
-def has_unbacked_symbols(x: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    return bool(free_unbacked_symbols(x))
-
-
-def current_vmap_level() -> int:
-    from torch._C import _functorch
-
-    return _functorch.current_level()
-
-
-def unwrap_at(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
-    """A tensor's (value, batch dim) at vmap ``level``, as a batching rule sees it:
-    (t, None) when ``t`` is not batched at that level."""
-    from torch._C import _functorch
-
-    return _functorch._unwrap_batched(t, level)
-
-
-def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
-    from torch._C import _functorch
-
-    return _functorch._add_batch_dim(value, bdim, level)
-
-
-def below_vmap() -> Any:
-    """Dispatch past functorch's batching layer (inside a batching rule)."""
-    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
-    return torch._C._ExcludeDispatchKeyGuard(keys)
-
-
-# --- Inductor -------------------------------------------------------------
-
-def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
-    """Translate torch.compile's ``mode``/``options`` as the inductor backend does.
-
-    Reusing ``_TorchCompileInductorWrapper`` gives identical validation: an
-    unknown Inductor option raises the same error as under backend="inductor".
-    """
-    wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
-    return dict(wrapper.config)
-
-
-def inductor_config_value(name: str) -> Any:
-    """Inductor's global config setting ``name`` (what a graph gets unless its options patch it)."""
-    from torch._inductor import config as inductor_config
-
-    return getattr(inductor_config, name)
-
-
-def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
-    from torch._inductor.compile_fx import compile_fx as _compile_fx
-
-    return _compile_fx(
-        gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches
-    )
-
-
-@contextlib.contextmanager
-def inductor_lowerings(wrappers: dict) -> Iterator[None]:
-    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)`` for the
-    length of the block (one graph's lowering); ``lowering`` is None for an op Inductor has
-    no lowering of, which gets one for the block only."""
-    from torch._inductor import lowering
-
-    saved = {op: lowering.lowerings.get(op) for op in wrappers}
-    try:
-        for op, original in saved.items():
-            lowering.lowerings[op] = wrappers[op](op, original)
-        yield
-    finally:
-        for op, original in saved.items():
-            if original is None:
-                lowering.lowerings.pop(op, None)
-            else:
-                lowering.lowerings[op] = original
-
-
-def register_extern_kernel(name: str, fn: Callable) -> None:
-    """Make ``fn`` callable from Inductor's generated code as ``extern_kernels.<name>``
-    (where Inductor's own extern kernels live), also for code loaded from its FX cache."""
-    from torch._inductor.select_algorithm import extern_kernels
-
-    setattr(extern_kernels, name, fn)
-
-
-def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
-    """Inductor's lowering that calls the aten kernel (an extern call)."""
-    from torch._inductor import lowering
-
-    return lowering.fallback_handler(op, add_to_fallback_set=False)
-
-
-def is_symbolic(size: Any) -> bool:
-    """An Inductor IR size (sympy) or a SymInt that is not a plain number."""
-    if isinstance(size, torch.SymInt):
-        return size.node.expr.free_symbols != set()
-    return bool(getattr(size, "free_symbols", None))
-
-
-def inductor_patterns_registered(device: torch.device | None) -> None:
-    """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
-    compile, otherwise), with both vmaps set aside: it traces example functions."""
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-    from torch._inductor.fx_passes import joint_graph, post_grad
-
-    with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
-        joint_graph.lazy_init(device)
-        post_grad.lazy_init()
-
-
-def real_tensors():
-    """A context where new tensors are real even inside a compile's FakeTensorMode."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    return unset_fake_temporarily()
-
-
-def custom_graph_pass_base() -> type:
-    """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return CustomGraphPass
-
-
-def compile_fx_inner() -> Callable:
-    from torch._inductor.compile_fx import compile_fx_inner as _inner
-
-    return _inner
-
-
-def aot_autograd(**kwargs: Any) -> Callable:
-    from torch._dynamo.backends.common import aot_autograd as _aot_autograd
-
-    return _aot_autograd(**kwargs)
-
-
-def aot_config_patch(**settings: Any) -> Any:
-    """AOTAutograd config for one compile; settings this torch lacks are skipped."""
-    import torch._functorch.config as aot_config
-
-    return aot_config.patch(**{k: v for k, v in settings.items() if hasattr(aot_config, k)})
-
-
-@contextlib.contextmanager
-def donated_buffers_off() -> Iterator[None]:
-    """AOTAutograd's global ``donated_buffer`` off, for a backward that retains
-    its graph (checked at backward time).  Runs on every region backward, so it
-    sets the flag rather than ``config.patch`` (which builds a class per call)."""
-    import torch._functorch.config as aot_config
-
-    if not getattr(aot_config, "donated_buffer", False):
-        yield
-        return
-    aot_config.donated_buffer = False
-    try:
-        yield
-    finally:
-        aot_config.donated_buffer = True
-
-
-def aot_mutates_differentiable_input() -> bool:
-    """While AOTAutograd compiles a graph: does it write in place to an input that
-    requires grad?  Unknown metadata answers True (the cautious answer)."""
-    context = torch._guards.TracingContext.try_get()
-    meta = getattr(context, "fw_metadata", None)
-    infos = getattr(meta, "input_info", None)
-    if infos is None:
-        return True
-    return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
-
-
-def make_boxed_func(fn: Callable) -> Callable:
-    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
-
-    return _make_boxed_func(fn)
-
-
-# --- memory plan (memory.py, chunking.py) ---------------------------------------
-
-GRAD_NODE_META = "dynbatch_grad"  # node.meta key: the Dynamo grad node a batched_grad call came from
-
-
-def current_grad_node_name() -> str | None:
-    """The Dynamo grad node AOTAutograd is tracing now (it replays node meta while it traces)."""
-    meta = torch.fx.traceback.get_current_meta() if torch.fx.traceback.has_preserved_node_meta() else None
-    return (meta or {}).get(GRAD_NODE_META)
-
-
-def functorch_transform_active() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def is_view_op(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
-
-
-def is_zero_tensor(t: torch.Tensor) -> bool:
-    """A ZeroTensor: autograd's grad known to be zero, with no storage of its own."""
-    return t._is_zerotensor()
-
-
-def op_schema(op: torch._ops.OpOverload) -> Any:
-    """An op overload's ``FunctionSchema`` (its private ``_schema``): name and arguments."""
-    return op._schema
-
-
 def add_shape_guard(condition: Any) -> None:
     """Guard the compiled frame on a sympy condition of its size symbols (true at the example)."""
     from torch._guards import TracingContext
@@ -549,37 +563,26 @@ def add_shape_guard(condition: Any) -> None:
         shape_env.evaluate_expr(condition)
 
 
-def mark_batch_dynamic(t: torch.Tensor) -> None:
-    """Let Dynamo compile the batch dim of a chunk symbolic from its first call.  A chunk of one
-    (even chunks have one only when the chunk size is below 3, or B is 1) is still specialised."""
-    torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
 def backed_hints(shape_env: Any) -> dict:
     """Symbol -> value in the example inputs (renamed backed_var_to_val in torch 2.13)."""
     hints = getattr(shape_env, "backed_var_to_val", None)
     return hints if hints is not None else shape_env.var_to_val
 
 
-# The dispatcher's thread-local key sets of plain user code (read when dynbatch loads).
-_USER_DISPATCH_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+def real_tensors():
+    """A context where new tensors are real even inside a compile's FakeTensorMode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
-@contextlib.contextmanager
-def outside_custom_op() -> Iterator[None]:
-    """Inside a custom op's kernel, as if called from user code: a kernel runs with every key
-    above the backend excluded (no autograd, no functorch), and no dispatch mode that
-    AOTAutograd's runtime set for its checks stays active (under one, Dynamo would not compile)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C._ForceDispatchKeyGuard(*_USER_DISPATCH_KEYS):
-        yield
-
-
-def dynamo_skip_frame(fn: Callable) -> Callable:
-    """Dynamo does not trace ``fn``'s own frame, but compiled functions it calls still compile
-    (``disable``'s default, recursive, would run them eagerly)."""
-    return torch._dynamo.disable(fn, recursive=False, reason="dynbatch's chunk loop")
+def realized_graph_module(gm: Any) -> Any:
+    """``gm`` with its generated ``forward`` in place: Dynamo will not trace into
+    a lazy graph module's placeholder ``_lazy_forward`` (MOD_SKIPLIST)."""
+    real_recompile = getattr(gm, "real_recompile", None)  # _LazyGraphModule only
+    if real_recompile is not None:
+        real_recompile()
+    return gm
 
 
 def empty_graph_like(graph: torch.fx.Graph) -> torch.fx.Graph:
