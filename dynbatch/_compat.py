@@ -1,32 +1,33 @@
-"""The one place that touches private torch APIs.
+"""Version shims and thin wrappers over private torch APIs, by torch subsystem.
 
-Dynamo, AOTAutograd and autograd internals move between releases; everything
-dynbatch needs from them goes through the small functions below so that a new
-torch version means editing this file only.  Tested: torch 2.11 - 2.14.
+Dynamo, AOTAutograd, functorch and Inductor internals move between releases;
+the stages reach them through the small functions below.  Stage logic stays in
+its stage (a stage module that patches torch internals itself says so), and a
+hook that fails turns one feature off (fail_soft.py).  Tested: torch 2.11 - 2.14.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import dis
-import functools
-import inspect
 import threading
-import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.torch_version import TorchVersion
 
+from . import fail_soft
+
+
+# --- versions --------------------------------------------------------------------
+
 TORCH_VERSION = TorchVersion(torch.__version__)
+
 # Half-open range of the releases dynbatch is tested on.  Others install and run
 # (pyproject.toml has no upper bound); dynbatch warns once at first use, and a
-# hook whose internals moved turns itself off (``hook_failed``).  TorchVersion
+# hook whose internals moved turns itself off (``fail_soft.hook_failed``).  TorchVersion
 # compares numerically, so "2.9" < "2.11" holds.
 MIN_TORCH, MAX_TORCH = "2.11", "2.15"
-
 
 # Dynamo traces Tensor.requires_grad_() inside a compiled function from 2.12 on
 # (seen on 2.12.1 and 2.13.0); 2.11 graph-breaks on it (seen on 2.11.0), which
@@ -41,494 +42,16 @@ def torch_is_supported() -> bool:
 def warn_once_if_untested() -> None:
     """At a backend's first compile (not at import: importing is not using)."""
     if not torch_is_supported():
-        _warn_once("version", f"dynbatch is tested on torch {MIN_TORCH} up to (not including) {MAX_TORCH}, "
-                              f"not {TORCH_VERSION}; a feature whose torch internals changed turns "
-                              "itself off with a warning")
+        fail_soft.warn_once("version", f"dynbatch is tested on torch {MIN_TORCH} up to (not including) "
+                                       f"{MAX_TORCH}, not {TORCH_VERSION}; a feature whose torch internals "
+                                       "changed turns itself off with a warning")
 
 
-# --- a torch bug around threads ------------------------------------------
-_FAKE_CUDA_GUARD_PINNED = False
-_FAKE_CUDA_GUARD_LOCK = threading.Lock()
-
-
-def fake_cuda_guard_outlives_threads() -> None:
-    """Work around a use-after-free in torch's FakeTensorMode (seen on 2.11.0,
-    not on 2.14.1) on a CUDA build of torch where no GPU is usable.
-
-    The first ``FakeTensorMode.__enter__`` of a process calls
-    ``c10::impl::ensureCUDADeviceGuardSet``, which stores a pointer to a
-    *thread_local* no-op CUDA guard in c10's global device-guard registry.
-    When that thread exits, the pointer dangles and the next compile from
-    another thread segfaults.  Making that first call from a thread that lives
-    as long as the process (the main thread, or a parked daemon thread) keeps
-    the guard alive; later calls find it set and do nothing.  Every compile
-    traces with fake tensors, so this is called once, before the first one."""
-    global _FAKE_CUDA_GUARD_PINNED
-    with _FAKE_CUDA_GUARD_LOCK:
-        if _FAKE_CUDA_GUARD_PINNED:
-            return
-        _FAKE_CUDA_GUARD_PINNED = True
-        ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
-        # The same condition as FakeTensorMode.avoid_device_init on a CUDA build.
-        if ensure is None or torch.version.cuda is None or torch.cuda.is_available():
-            return
-        try:
-            call_on_a_lasting_thread(ensure)
-        except Exception as e:  # noqa: BLE001 - only threaded compiles are at risk
-            hook_failed("keeping FakeTensorMode's CUDA guard alive across threads", e)
-
-
-def call_on_a_lasting_thread(fn: Callable[[], Any]) -> None:
-    """Run ``fn`` on a thread that outlives every other: this one if it is the
-    main thread, else a daemon thread parked for the life of the process."""
-    if threading.current_thread() is threading.main_thread():
-        fn()
-        return
-    done = threading.Event()
-
-    def run_then_park() -> None:
-        try:
-            fn()
-        finally:
-            done.set()
-        threading.Event().wait()  # keep this thread's thread_locals alive
-
-    threading.Thread(target=run_then_park, name="dynbatch-fake-cuda-guard", daemon=True).start()
-    done.wait()
-
-
-# --- failing soft ------------------------------------------------------------
-# Every hook into torch internals below is one feature.  When a hook cannot be
-# installed (an attribute moved, a signature changed, an op overload is gone),
-# that feature is off for this process, with one warning naming it, and
-# compiles go on without it: stock Dynamo's behaviour (a graph break, an eager
-# grad) or functorch's own batching rule.  Never a crash of every compile.
-
-HOOK_FAILURES: dict[str, str] = {}  # feature -> why it is off
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    import warnings
-
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def hook_failed(feature: str, error: BaseException | str) -> None:
-    """Record that ``feature`` is off, and say so once."""
-    reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    HOOK_FAILURES.setdefault(feature, reason)
-    _warn_once("hook:" + feature, f"dynbatch: {feature} is off on torch {torch.__version__} "
-                                  f"({reason}); compiles go on without it")
-
-
-@contextlib.contextmanager
-def soft(feature: str, make_context: Callable[[], Any]) -> Iterator[None]:
-    """Enter ``make_context()`` if it can be entered; otherwise ``hook_failed``
-    and run the block without it.  Errors raised by the block itself pass."""
-    stack = contextlib.ExitStack()
-    if feature not in HOOK_FAILURES:
-        try:
-            stack.enter_context(make_context())
-        except Exception as e:  # noqa: BLE001 - a moved internal turns one feature off
-            hook_failed(feature, e)
-    with stack:
-        yield
-
-
-# --- autograd -------------------------------------------------------------
-
-def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
-    """How ``torch.autograd.grad`` normalises ``grad_outputs``."""
-    return torch.autograd._tensor_or_tensors_to_tuple(tensors, length)
-
-
-def shapes_for_message(output: Any, first_grad: Any, is_grads_batched: bool) -> tuple:
-    """The (output, grad) shapes eager prints in its mismatch message.
-
-    Eager slices the batch dimension off ``grad[0]`` again, so a batched
-    message shows ``grad.shape[2:]``; users compare our text with eager's, so
-    we reuse eager's helper rather than fix it here.
-    """
-    return torch.autograd._calculate_shape(output, first_grad, is_grads_batched)
-
-
-def sym_eq(a: Any, b: Any) -> Any:
-    from torch.fx.experimental.symbolic_shapes import sym_eq as _sym_eq
-
-    return _sym_eq(a, b)
-
-
-def expect_true(a: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import expect_true as _expect_true
-
-    return _expect_true(a)
-
-
-# --- transforms seen at the edge of a compiled region ------------------------
-
-def forward_ad_level() -> int:
-    """The innermost active ``torch.autograd.forward_ad.dual_level`` (-1: none)."""
-    return _forward_ad._current_level
-
-
-def has_tangent(t: torch.Tensor) -> bool:
-    return _forward_ad.unpack_dual(t).tangent is not None
-
-
-def legacy_vmap_level() -> int:
-    """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-    level = torch._C._vmapmode_increment_nesting()
-    torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
-    if keyed and level == 1:  # a device thread's key without its count (_legacy_level_of)
-        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
-    return level - 1
-
-
-def is_legacy_batched(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_legacy_batchedtensor(t)
-
-
-def _legacy_level_of(t: torch.Tensor, most: int = 64) -> int:
-    """The first legacy vmap level that batches ``t`` (0: none up to ``most``).
-
-    For a backward on one of autograd's device threads (CUDA): the engine carries
-    the caller's dispatch keys there, vmap's among them, but not vmap's level
-    count, so ``legacy_vmap_level()`` reads 0.  ``_remove_batch_dim`` of a level
-    the tensor lacks expands to the given size instead, which tells them apart."""
-    for level in range(1, most + 1):
-        if torch._remove_batch_dim(t, level, 0, 0).shape[0] == torch._remove_batch_dim(t, level, 1, 0).shape[0]:
-            return level
-    return 0
-
-
-@contextlib.contextmanager
-def outside_legacy_vmap() -> Iterator[None]:
-    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits."""
-    depth = legacy_vmap_level()
-    for _ in range(depth):
-        torch._C._vmapmode_decrement_nesting()
-    # On a device thread the key is on with a count of 0 (_legacy_level_of).
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-    if keyed:
-        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
-    try:
-        yield
-    finally:
-        if keyed:
-            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
-        for _ in range(depth):
-            torch._C._vmapmode_increment_nesting()
-
-
-class Batching:
-    """How a set of grads is batched: by eager's legacy vmap or by torch.func."""
-
-    def __init__(self, kind: str, level: int) -> None:
-        self.kind, self.level = kind, level
-
-    @contextlib.contextmanager
-    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]):
-        """Yield (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this vmap level.
-
-        Grads not batched at this level are expanded to B.  ``rewrap`` turns
-        physical [B, ...] results (or None) back into batched tensors.
-        """
-        physical = [(i, self._unwrap(g)) for i, g in out_grads]
-        sizes = {p.shape[0] for (_, p), (_, g) in zip(physical, out_grads) if self._is_batched(g)}
-        batch_size = sizes.pop()
-        physical = [(i, p if self._is_batched(g) else p.expand(batch_size, *p.shape))
-                    for (i, p), (_, g) in zip(physical, out_grads)]
-        # Legacy vmap's dispatch key rejects random ops (Inductor draws some while it
-        # compiles) in every tensor op, batched or not.
-        with outside_legacy_vmap() if self.kind == "legacy" else contextlib.nullcontext():
-            yield physical, batch_size, self._rewrap
-
-    def _is_batched(self, g: torch.Tensor) -> bool:
-        if self.kind == "legacy":
-            return is_legacy_batched(g)
-        return torch._C._functorch.maybe_get_level(g) == self.level
-
-    def _unwrap(self, g: torch.Tensor) -> torch.Tensor:
-        if not self._is_batched(g):
-            return g
-        if self.kind == "legacy":
-            # A batched tensor's own batch size is used; the size argument is for unbatched ones.
-            return torch._remove_batch_dim(g, self.level, 0, 0)
-        value, bdim = torch._C._functorch._unwrap_batched(g, self.level)
-        return value.movedim(bdim, 0)
-
-    def _rewrap(self, grads: tuple) -> tuple:
-        add = torch._add_batch_dim if self.kind == "legacy" else torch._C._functorch._add_batch_dim
-        return tuple(None if g is None else add(g, 0, self.level) for g in grads)
-
-
-def engine_will_execute(node: Any) -> bool:
-    """Whether the running backward will execute ``node`` (refused for a leaf's
-    AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
-    return torch._C._will_engine_execute_node(node)
-
-
-def batching_of(grads: list[torch.Tensor]) -> Batching | None:
-    """The vmap that batches these grads, or None for plain tensors.  One batch
-    level is unwrapped; anything deeper is "nested", for paths (an eager
-    re-run) that take any batching as it comes."""
-    legacy = [g for g in grads if is_legacy_batched(g)]
-    if legacy:
-        level = legacy_vmap_level() or _legacy_level_of(legacy[0])
-        if level and not any(is_legacy_batched(torch._remove_batch_dim(g, level, 0, 0)) for g in legacy):
-            return Batching("legacy", level)
-        return Batching("nested", -1)
-    wrapped = [g for g in grads if torch._C._functorch.is_functorch_wrapped_tensor(g)]
-    if not wrapped:
-        return None
-    levels = {torch._C._functorch.maybe_get_level(g) for g in wrapped}
-    if len(levels) == 1 and all(torch._C._functorch.is_batchedtensor(g) for g in wrapped):
-        return Batching("functorch", levels.pop())
-    return Batching("nested", -1)
-
-
-# --- Dynamo ---------------------------------------------------------------
-
-def functional_forward_jacobian() -> Callable | None:
-    """``torch.autograd.functional._jacfwd``, which dynbatch traces as vmap over jvp."""
-    return getattr(torch.autograd.functional, "_jacfwd", None)
-
-
-def functional_as_tuple(*args: Any) -> Any:
-    return torch.autograd.functional._as_tuple(*args)
-
-
-def functional_standard_basis(*args: Any) -> Any:
-    return torch.autograd.functional._construct_standard_basis_for(*args)
-
-
-def functional_tuple_postprocess(*args: Any) -> Any:
-    return torch.autograd.functional._tuple_postprocess(*args)
-
+# --- Dynamo ----------------------------------------------------------------------
 
 def trace_autograd_ops_enabled() -> Any:
     """A context manager that lets Dynamo put ``torch.autograd.grad`` in the graph."""
     return torch._dynamo.config.patch(trace_autograd_ops=True)
-
-
-@contextlib.contextmanager
-def dynamo_inlines_module(module_name: str) -> Iterator[None]:
-    """Let Dynamo trace *into* a torch module's functions instead of calling them.
-
-    Dynamo lists ``torch.autograd.functional.jacobian`` and friends as
-    in-graph functions and then cannot put them in the graph (they take a
-    Python callable), so it graph-breaks.  Inlining them exposes the
-    ``torch.autograd.grad(..., is_grads_batched=True)`` call inside.
-    """
-    from torch._dynamo import trace_rules
-    from torch._dynamo.variables import UserFunctionVariable
-
-    rules = trace_rules.get_torch_obj_rule_map()  # functools.cache: one shared dict
-    saved = {k: v for k, v in rules.items() if getattr(k, "__module__", None) == module_name}
-    rules.update(dict.fromkeys(saved, UserFunctionVariable))
-    try:
-        yield
-    finally:
-        rules.update(saved)
-
-
-@contextlib.contextmanager
-def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[None]:
-    """While the block runs, Dynamo traces ``replacement`` wherever user code
-    calls ``original`` (its polyfill mechanism, scoped instead of global).
-    Eager calls of ``original`` are unchanged, and guards see the same object."""
-    from torch._dynamo import trace_rules
-    from torch._dynamo.variables.functions import PolyfilledFunctionVariable
-
-    rules = trace_rules.get_torch_obj_rule_map()
-    handlers = PolyfilledFunctionVariable._get_polyfill_handlers()
-    saved_rule, saved_handler = rules.get(original), handlers.get(original)
-
-    @functools.wraps(original)
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **kwargs)
-
-    handler.__torch_dynamo_polyfill__ = replacement  # type: ignore[attr-defined]
-    rules[original], handlers[original] = PolyfilledFunctionVariable, handler
-    try:
-        yield
-    finally:
-        for table, value in ((rules, saved_rule), (handlers, saved_handler)):
-            if value is None:
-                table.pop(original, None)
-            else:
-                table[original] = value
-
-
-@contextlib.contextmanager
-def dynamo_traces_requires_grad_of_intermediates() -> Iterator[None]:
-    """Torch 2.11: Dynamo puts ``t.requires_grad_()`` of a tensor made inside
-    the graph into the graph, as 2.13's ``TensorVariable.method_requires_grad_``
-    does, instead of graph-breaking.  ``x.detach().requires_grad_()`` and
-    ``functional.jacobian``'s own call are then traced, and the grads that use
-    the new leaf are captured with it.  2.13 also graph-breaks where such a leaf
-    (or a tensor made from it) is returned with requires_grad; the backend
-    checks that case itself (``leaks_traced_requires_grad``) and runs the graph
-    eagerly.  Graph inputs keep the graph break (a metadata mutation)."""
-    if DYNAMO_TRACES_REQUIRES_GRAD_:
-        yield
-        return
-    from torch._dynamo.variables.tensor import TensorVariable
-
-    original = TensorVariable.method_requires_grad_
-
-    def method_requires_grad_(self, tx, requires_grad=True):
-        wanted = requires_grad if requires_grad is True else requires_grad.as_python_constant()
-        example = self.as_proxy().node.meta["example_value"]
-        if self.source or example.requires_grad == wanted:
-            return original(self, tx, requires_grad)
-        # As 2.13 emits it: AOTAutograd re-traces under functorch, which refuses
-        # requires_grad_() unless the call is bracketed by this flag.
-        allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
-        torch._C._functorch.set_inplace_requires_grad_allowed(True)
-        try:
-            tx.output.create_node("call_function", torch._C._functorch.set_inplace_requires_grad_allowed,
-                                  (True,), {})
-            tx.output.create_proxy("call_method", "requires_grad_", (self.as_proxy(),), {})
-            tx.output.create_node("call_function", torch._C._functorch.set_inplace_requires_grad_allowed,
-                                  (allowed,), {})
-        finally:
-            torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
-        example.requires_grad_(wanted)
-        self.requires_grad = wanted
-        return self
-
-    TensorVariable.method_requires_grad_ = method_requires_grad_
-    try:
-        yield
-    finally:
-        TensorVariable.method_requires_grad_ = original
-
-
-REQUIRES_GRAD_AT_CALL = "dynbatch_requires_grad_at_call"  # placeholder meta: see below
-# Frames whose inputs' requires_grad_() stays a graph break (code objects, weakly held).
-_INPUT_REQUIRES_GRAD_REFUSED: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-@contextlib.contextmanager
-def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
-    """``x.requires_grad_()`` (or ``x.requires_grad = True``) on a graph input
-    that does not require grad -- ``pos.requires_grad_(True)`` in a force
-    model's forward -- is traced instead of graph-breaking: the input is marked
-    (``REQUIRES_GRAD_AT_CALL`` on its placeholder) and its fake value requires
-    grad from there on, so the graph differentiates w.r.t. the input itself.
-    The region sets ``requires_grad`` on the real tensor before each call, as
-    eager does by then; Dynamo's guards keep what they saw (the input does not
-    require grad), so the next fresh input hits the same graph.  The attribute
-    form becomes the method (they differ only in the method's return value)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-    from torch._dynamo.variables.tensor import TensorVariable
-
-    original_method = TensorVariable.method_requires_grad_
-    original_store = InstructionTranslatorBase.STORE_ATTR
-
-    def method_requires_grad_(self, tx, requires_grad=True):
-        wanted = requires_grad if requires_grad is True else requires_grad.as_python_constant()
-        node = self.as_proxy().node
-        example = node.meta.get("example_value")
-        root_code = tx.output.root_tx.f_code
-        if not (wanted is True and self.source is not None and node.op == "placeholder"
-                and isinstance(example, torch.Tensor) and not example.requires_grad
-                and (example.dtype.is_floating_point or example.dtype.is_complex)
-                and not functorch_transform_active() and root_code not in _INPUT_REQUIRES_GRAD_REFUSED):
-            if (functorch_transform_active() and node.op != "placeholder"
-                    and any(n.meta.get(REQUIRES_GRAD_AT_CALL) for n in tx.output.graph.find_nodes(op="placeholder"))):
-                # A functorch wrapper of the marked input inside a transform
-                # (``hessian(outer_jacobian_strategy="forward-mode")``): its fake value
-                # has lost requires_grad and Dynamo's own path fails on it.  Trace the
-                # frame again with the input's requires_grad_() a graph break, as stock.
-                _INPUT_REQUIRES_GRAD_REFUSED.add(root_code)
-                raise torch._dynamo.exc.RestartAnalysis(
-                    restart_reason="dynbatch: requires_grad_() of a graph input reaches a torch.func transform")
-            return original_method(self, tx, requires_grad)
-        example.requires_grad_(True)
-        node.meta[REQUIRES_GRAD_AT_CALL] = True
-        self.requires_grad = True
-        return self
-
-    def STORE_ATTR(self, inst):  # noqa: N802 - Dynamo's opcode handler name
-        if inst.argval == "requires_grad" and len(self.stack) >= 2:
-            obj, val = (v.realize() if hasattr(v, "realize") else v for v in (self.stack[-1], self.stack[-2]))
-            if isinstance(obj, TensorVariable) and val.is_python_constant():
-                self.popn(2)
-                obj.call_method(self, "requires_grad_", [val], {})
-                return None
-        return original_store(self, inst)
-
-    # Each translator class dispatches opcodes through a table built from its methods;
-    # torch 2.14's TensorVariable dispatches methods through its tp_methods table.
-    tables = [t for t in _dispatch_tables(InstructionTranslatorBase) if t[_STORE_ATTR] is original_store]
-    methods = getattr(TensorVariable, "tp_methods", {})
-    original_entry = methods.get("requires_grad_")
-    TensorVariable.method_requires_grad_ = method_requires_grad_
-    if original_entry is not None:
-        methods["requires_grad_"] = dataclasses.replace(original_entry, handler=method_requires_grad_)
-    for table in tables:
-        table[_STORE_ATTR] = STORE_ATTR
-    try:
-        yield
-    finally:
-        TensorVariable.method_requires_grad_ = original_method
-        if original_entry is not None:
-            methods["requires_grad_"] = original_entry
-        for table in tables:
-            table[_STORE_ATTR] = original_store
-
-
-_STORE_ATTR = dis.opmap["STORE_ATTR"]
-
-
-def _dispatch_tables(base: type) -> list[list]:
-    classes, seen = [base], []
-    while classes:
-        cls = classes.pop()
-        seen.append(cls)
-        classes.extend(cls.__subclasses__())
-    return [cls.__dict__["dispatch_table"] for cls in seen if "dispatch_table" in cls.__dict__]
-
-
-def inputs_given_requires_grad(gm: Any) -> tuple[int, ...]:
-    """The graph inputs whose ``requires_grad_()`` the graph traced (see above)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return tuple(i for i, n in enumerate(placeholders) if n.meta.get(REQUIRES_GRAD_AT_CALL))
-
-
-def with_traced_requires_grad(gm: Any, example_inputs: Sequence[Any]) -> Sequence[Any]:
-    """The backend's example inputs as the graph saw them: an input whose
-    ``requires_grad_()`` was traced is its fake value (which requires grad; the
-    real tensor does not yet), so AOTAutograd differentiates w.r.t. it with the
-    same symbolic sizes."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not any(n.meta.get(REQUIRES_GRAD_AT_CALL) for n in placeholders):
-        return example_inputs
-    return [n.meta["example_value"] if n.meta.get(REQUIRES_GRAD_AT_CALL) else a
-            for n, a in zip(placeholders, example_inputs)]
-
-
-def leaks_traced_requires_grad(gm: Any) -> bool:
-    """Does the graph return, with requires_grad, a tensor made from a leaf that
-    ``requires_grad_()`` created inside it?  AOTAutograd's functionalization
-    drops that autograd state (2.13's Dynamo graph-breaks for it)."""
-    # Later nodes read the tensor the method changed in place (its argument), as in user code.
-    tainted = {n.args[0] for n in gm.graph.nodes if n.op == "call_method" and n.target == "requires_grad_"}
-    if not tainted:
-        return False
-    for n in gm.graph.nodes:
-        if n not in tainted and any(i in tainted for i in n.all_input_nodes):
-            tainted.add(n)
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    flat = torch.utils._pytree.tree_leaves(output.args)
-    return any(isinstance(o, torch.fx.Node) and o in tainted
-               and getattr(o.meta.get("example_value"), "requires_grad", False) for o in flat)
 
 
 def dynamo_utils_module() -> Any:
@@ -538,40 +61,6 @@ def dynamo_utils_module() -> Any:
     if not hasattr(dynamo_utils, "run_node"):  # pragma: no cover - version guard
         raise ImportError(f"torch {torch.__version__}: torch._dynamo.utils.run_node is gone")
     return dynamo_utils
-
-
-def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
-    """Enter ``scope_for(backend)`` around each Dynamo frame compile.
-
-    Dynamo has no public hook that runs before tracing *and* knows the
-    backend: ``torch.compile`` does not forward a backend's
-    ``backend_ctx_ctor``, and compile start/end callbacks are wiped by
-    ``torch._dynamo.reset()``.  ``convert_frame._compile`` is the per-frame
-    entry point and receives the backend as ``compiler_fn``; we wrap it once.
-    For other backends the wrapper only unwraps the backend and compares it.
-    """
-    import torch._dynamo.convert_frame as convert_frame
-
-    original = getattr(convert_frame, "_compile", None)
-    if getattr(original, "_dynbatch_original", None) is not None:
-        return
-    try:
-        params = list(inspect.signature(original).parameters)
-        position = params.index("compiler_fn")
-    except (TypeError, ValueError) as e:
-        # Without the hook dynbatch cannot scope its capture: torch.autograd.grad
-        # graph-breaks as under stock Dynamo and runs eagerly, with eager's values.
-        hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
-        return
-
-    @functools.wraps(original)
-    def _compile(*args: Any, **kwargs: Any) -> Any:
-        backend = args[position] if len(args) > position else kwargs.get("compiler_fn")
-        with scope_for(unwrap_backend(backend)):
-            return original(*args, **kwargs)
-
-    _compile._dynbatch_original = original  # type: ignore[attr-defined]
-    convert_frame._compile = _compile
 
 
 def register_backend(fn: Callable, name: str) -> None:
@@ -585,41 +74,23 @@ def register_backend(fn: Callable, name: str) -> None:
         registry.register_backend(fn, name=name)
 
 
-def unwrap_backend(fn: Any) -> Any:
-    """Peel Dynamo's and torch.compile's wrappers off a backend callable."""
-    seen = set()
-    while fn is not None and id(fn) not in seen:
-        seen.add(id(fn))
-        if hasattr(fn, "_torchdynamo_orig_backend"):  # WrapBackendDebug, callbacks
-            fn = fn._torchdynamo_orig_backend
-        elif hasattr(fn, "compiler_fn"):  # torch._TorchCompileWrapper
-            fn = fn.compiler_fn
-        elif isinstance(fn, functools.partial):
-            fn = fn.func
-    return fn
-
-
-def realized_graph_module(gm: Any) -> Any:
-    """``gm`` with its generated ``forward`` in place: Dynamo will not trace into
-    a lazy graph module's placeholder ``_lazy_forward`` (MOD_SKIPLIST)."""
-    real_recompile = getattr(gm, "real_recompile", None)  # _LazyGraphModule only
-    if real_recompile is not None:
-        real_recompile()
-    return gm
-
-
-def graph_output_count(gm: Any) -> int:
-    """How many values a Dynamo graph returns (its output node's tuple)."""
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    result = output.args[0]
-    return len(result) if isinstance(result, (tuple, list)) else 1
-
-
 def dynamo_disable(fn: Callable) -> Callable:
     """Keep Dynamo out of ``fn``: a backward of a compiled graph runs whenever the
     user calls it, perhaps under an active torch.compile frame, and dynbatch's own
     plumbing is not user code to compile."""
     return torch._dynamo.disable(fn, reason="dynbatch's region backward")
+
+
+def dynamo_skip_frame(fn: Callable) -> Callable:
+    """Dynamo does not trace ``fn``'s own frame, but compiled functions it calls still compile
+    (``disable``'s default, recursive, would run them eagerly)."""
+    return torch._dynamo.disable(fn, recursive=False, reason="dynbatch's chunk loop")
+
+
+def mark_batch_dynamic(t: torch.Tensor) -> None:
+    """Let Dynamo compile the batch dim of a chunk symbolic from its first call.  A chunk of one
+    (even chunks have one only when the chunk size is below 3, or B is 1) is still specialised."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
@@ -651,211 +122,7 @@ def restart_analysis_exceptions() -> tuple[type[BaseException], ...]:
     return (restart,) if restart is not None else ()
 
 
-@contextlib.contextmanager
-def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
-    """Discard the unbacked SymInts a fake run allocates; yield a counter of them.
-
-    A backward can allocate unbacked sizes that its grads do not carry (e.g.
-    ``nonzero`` in index_put's backward with a boolean mask); left pending,
-    Dynamo fails with PendingUnbackedSymbolNotFound.  The caller learns how
-    many were made (the yielded function) and decides what to do.
-    """
-    from torch._guards import detect_fake_mode
-
-    shape_env = getattr(detect_fake_mode(), "shape_env", None)
-    if shape_env is None or not hasattr(shape_env, "ignore_fresh_unbacked_symbols"):
-        yield lambda: 0
-        return
-    before = shape_env.counter["create_unbacked_symbol"]
-    with shape_env.ignore_fresh_unbacked_symbols():
-        yield lambda: shape_env.counter["create_unbacked_symbol"] - before
-
-
-# --- functorch ------------------------------------------------------------
-
-@contextlib.contextmanager
-def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key: str) -> Iterator[None]:
-    """Register each ``op -> fn`` as the op's kernel for ``dispatch_key``; restore on exit.
-
-    ``op`` is an OpOverload or an op name in ``namespace``.
-    """
-    import warnings
-
-    lib = torch.library.Library(namespace, "IMPL")
-    failed = []
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
-            for op, fn in kernels.items():
-                try:
-                    if isinstance(op, str) and not hasattr(getattr(torch.ops, namespace), op):
-                        # The dispatcher would take an impl for a name it does not know, silently.
-                        raise AttributeError(f"no operator {namespace}::{op}")
-                    lib.impl(op, fn, dispatch_key)
-                except Exception as e:  # noqa: BLE001 - an op gone from this torch keeps functorch's rule
-                    failed.append((op, e))
-        for op, e in failed:  # outside the block above, which silences warnings
-            hook_failed(f"the batching rule for {namespace}::{op}", e)
-        yield
-    finally:
-        lib._destroy()  # drops our kernels; the C++ ones are in effect again
-
-
-def decomposition_table() -> dict:
-    from torch._decomp import decomposition_table as table
-
-    return table
-
-
-def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
-    """Does vmap batch ``op`` with a rule (C++, or one of functorch's Python
-    decompositions), rather than its slow per-sample fallback?"""
-    from torch._functorch.vmap import lazy_load_decompositions
-
-    lazy_load_decompositions()  # functorch registers some rules only on first use
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
-
-
-def has_unbacked_symbols(x: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    return bool(free_unbacked_symbols(x))
-
-
-def current_vmap_level() -> int:
-    from torch._C import _functorch
-
-    return _functorch.current_level()
-
-
-def unwrap_at(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
-    """A tensor's (value, batch dim) at vmap ``level``, as a batching rule sees it:
-    (t, None) when ``t`` is not batched at that level."""
-    from torch._C import _functorch
-
-    return _functorch._unwrap_batched(t, level)
-
-
-def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
-    from torch._C import _functorch
-
-    return _functorch._add_batch_dim(value, bdim, level)
-
-
-def below_vmap() -> Any:
-    """Dispatch past functorch's batching layer (inside a batching rule)."""
-    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
-    return torch._C._ExcludeDispatchKeyGuard(keys)
-
-
-# --- Inductor -------------------------------------------------------------
-
-def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
-    """Translate torch.compile's ``mode``/``options`` as the inductor backend does.
-
-    Reusing ``_TorchCompileInductorWrapper`` gives identical validation: an
-    unknown Inductor option raises the same error as under backend="inductor".
-    """
-    wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
-    return dict(wrapper.config)
-
-
-def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
-    from torch._inductor.compile_fx import compile_fx as _compile_fx
-
-    return _compile_fx(
-        gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches
-    )
-
-
-@contextlib.contextmanager
-def inductor_lowerings(wrappers: dict) -> Iterator[None]:
-    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)`` for the
-    length of the block (one graph's lowering); ``lowering`` is None for an op Inductor has
-    no lowering of, which gets one for the block only."""
-    from torch._inductor import lowering
-
-    saved = {op: lowering.lowerings.get(op) for op in wrappers}
-    try:
-        for op, original in saved.items():
-            lowering.lowerings[op] = wrappers[op](op, original)
-        yield
-    finally:
-        for op, original in saved.items():
-            if original is None:
-                lowering.lowerings.pop(op, None)
-            else:
-                lowering.lowerings[op] = original
-
-
-def register_extern_kernel(name: str, fn: Callable) -> None:
-    """Make ``fn`` callable from Inductor's generated code as ``extern_kernels.<name>``
-    (where Inductor's own extern kernels live), also for code loaded from its FX cache."""
-    from torch._inductor.select_algorithm import extern_kernels
-
-    setattr(extern_kernels, name, fn)
-
-
-def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
-                          out_cols: tuple[int, int]) -> Callable:
-    """A lowering of ``op`` that calls ``extern_kernels.<name>(*tensors, *constants)`` from the
-    generated code, a plain Python call (the op would go through the dispatcher, 10-20 us on a
-    small product); its output is a new contiguous matrix [size(out_rows, 0), size(out_cols)].
-    Where Inductor's IR differs from what this expects, the op's own extern call instead."""
-    from torch._inductor import ir
-
-    def lower(*args):
-        try:
-            return _extern_alloc(*args)
-        except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure path
-            hook_failed(f"the direct extern call of {op}", e)
-            return inductor_fallback(op)(*args)
-
-    def _extern_alloc(*args):
-        tensors = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(a))
-                   for a in args if isinstance(a, ir.IRNode)]
-        constants = tuple(a for a in args if not isinstance(a, ir.IRNode))
-        size = [tensors[out_rows].get_size()[0], tensors[out_cols[0]].get_size()[out_cols[1]]]
-        layout = ir.FixedLayout(tensors[0].get_device(), tensors[0].get_dtype(), size)
-        return ir.TensorBox.create(ir.ExternKernelAlloc(layout, tensors, constant_args=constants,
-                                                        python_kernel_name=f"extern_kernels.{name}"))
-
-    return lower
-
-
-def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
-    """Inductor's lowering that calls the aten kernel (an extern call)."""
-    from torch._inductor import lowering
-
-    return lowering.fallback_handler(op, add_to_fallback_set=False)
-
-
-def is_symbolic(size: Any) -> bool:
-    """An Inductor IR size (sympy) or a SymInt that is not a plain number."""
-    if isinstance(size, torch.SymInt):
-        return size.node.expr.free_symbols != set()
-    return bool(getattr(size, "free_symbols", None))
-
-
-def real_tensors():
-    """A context where new tensors are real even inside a compile's FakeTensorMode."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    return unset_fake_temporarily()
-
-
-def custom_graph_pass_base() -> type:
-    """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return CustomGraphPass
-
-
-def compile_fx_inner() -> Callable:
-    from torch._inductor.compile_fx import compile_fx_inner as _inner
-
-    return _inner
-
+# --- AOTAutograd -----------------------------------------------------------------
 
 def aot_autograd(**kwargs: Any) -> Callable:
     from torch._dynamo.backends.common import aot_autograd as _aot_autograd
@@ -863,18 +130,10 @@ def aot_autograd(**kwargs: Any) -> Callable:
     return _aot_autograd(**kwargs)
 
 
-@contextlib.contextmanager
-def torch_internal_deprecations_hidden() -> Iterator[None]:
-    """Hide Future/DeprecationWarnings raised *by torch modules* while dynbatch
-    lowers a graph (Inductor's aten.diagonal lowering calls the deprecated
-    ``torch._prims_common.check``): code that asserts no warnings should not
-    see torch's notes to itself.  Warnings attributed to user code still show."""
-    import warnings
+def make_boxed_func(fn: Callable) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
 
-    with warnings.catch_warnings():
-        for category in (FutureWarning, DeprecationWarning):
-            warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
-        yield
+    return _make_boxed_func(fn)
 
 
 def aot_config_patch(**settings: Any) -> Any:
@@ -912,14 +171,6 @@ def aot_mutates_differentiable_input() -> bool:
     return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
 
 
-def make_boxed_func(fn: Callable) -> Callable:
-    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
-
-    return _make_boxed_func(fn)
-
-
-# --- memory plan (memory.py, chunking.py) ---------------------------------------
-
 GRAD_NODE_META = "dynbatch_grad"  # node.meta key: the Dynamo grad node a batched_grad call came from
 
 
@@ -929,64 +180,270 @@ def current_grad_node_name() -> str | None:
     return (meta or {}).get(GRAD_NODE_META)
 
 
-def inductor_patterns_registered_outside_transforms(example_inputs: Any) -> None:
-    """Inductor registers its pattern-matcher patterns at a process's first compile,
-    by tracing example functions, one of which draws ``randperm``.  When that first
-    compile happens under a functorch transform (a region's backward taken inside
-    vmap, eager's legacy one or functorch's), the tracing fails: "random operations
-    inside of vmap".  Register them with both set aside; Inductor's own calls then
-    find them cached (the same device argument)."""
-    if (not legacy_vmap_level() and not torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
-            and not functorch_transform_active()):
-        return
+# --- functorch and vmap (torch.func's, and eager's legacy one) -------------------
+
+def functorch_transform_active() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def current_vmap_level() -> int:
+    from torch._C import _functorch
+
+    return _functorch.current_level()
+
+
+def functorch_level(t: torch.Tensor) -> int:
+    """The vmap level of ``t``'s outermost functorch wrapper (-1: a plain tensor)."""
+    return torch._C._functorch.maybe_get_level(t)
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def is_functorch_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_batchedtensor(t)
+
+
+def unwrap_at(t: torch.Tensor, level: int) -> tuple[torch.Tensor, int | None]:
+    """A tensor's (value, batch dim) at vmap ``level``, as a batching rule sees it:
+    (t, None) when ``t`` is not batched at that level."""
+    from torch._C import _functorch
+
+    return _functorch._unwrap_batched(t, level)
+
+
+def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
+    from torch._C import _functorch
+
+    return _functorch._add_batch_dim(value, bdim, level)
+
+
+def below_vmap() -> Any:
+    """Dispatch past functorch's batching layer (inside a batching rule)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
+def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
+    """Does vmap batch ``op`` with a rule (C++, or one of functorch's Python
+    decompositions), rather than its slow per-sample fallback?"""
+    from torch._functorch.vmap import lazy_load_decompositions
+
+    lazy_load_decompositions()  # functorch registers some rules only on first use
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
+
+
+def decomposition_table() -> dict:
+    from torch._decomp import decomposition_table as table
+
+    return table
+
+
+def legacy_vmap_level() -> int:
+    """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
+    if keyed and level == 1:  # a device thread's key without its count (region_batching._legacy_level_of)
+        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+    return level - 1
+
+
+def legacy_vmap_active() -> bool:
+    """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
+    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+
+
+def is_legacy_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_legacy_batchedtensor(t)
+
+
+def legacy_remove_batch_dim(t: torch.Tensor, level: int, batch_size: int, out_dim: int) -> torch.Tensor:
+    """The physical tensor of legacy vmap ``level``; a tensor not batched there is expanded to ``batch_size``."""
+    return torch._remove_batch_dim(t, level, batch_size, out_dim)
+
+
+def legacy_add_batch_dim(t: torch.Tensor, batch_dim: int, level: int) -> torch.Tensor:
+    return torch._add_batch_dim(t, batch_dim, level)
+
+
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits."""
+    depth = legacy_vmap_level()
+    for _ in range(depth):
+        torch._C._vmapmode_decrement_nesting()
+    # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    if keyed:
+        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
+    try:
+        yield
+    finally:
+        if keyed:
+            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+        for _ in range(depth):
+            torch._C._vmapmode_increment_nesting()
+
+
+# --- Inductor --------------------------------------------------------------------
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """Translate torch.compile's ``mode``/``options`` as the inductor backend does.
+
+    Reusing ``_TorchCompileInductorWrapper`` gives identical validation: an
+    unknown Inductor option raises the same error as under backend="inductor".
+    """
+    wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
+    return dict(wrapper.config)
+
+
+def inductor_config_value(name: str) -> Any:
+    """Inductor's global config setting ``name`` (what a graph gets unless its options patch it)."""
+    from torch._inductor import config as inductor_config
+
+    return getattr(inductor_config, name)
+
+
+def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+
+def compile_fx_inner() -> Callable:
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner
+
+
+def custom_graph_pass_base() -> type:
+    """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+@contextlib.contextmanager
+def inductor_lowerings(wrappers: dict) -> Iterator[None]:
+    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)`` for the
+    length of the block (one graph's lowering); ``lowering`` is None for an op Inductor has
+    no lowering of, which gets one for the block only."""
+    from torch._inductor import lowering
+
+    saved = {op: lowering.lowerings.get(op) for op in wrappers}
+    try:
+        for op, original in saved.items():
+            lowering.lowerings[op] = wrappers[op](op, original)
+        yield
+    finally:
+        for op, original in saved.items():
+            if original is None:
+                lowering.lowerings.pop(op, None)
+            else:
+                lowering.lowerings[op] = original
+
+
+def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
+    """Inductor's lowering that calls the aten kernel (an extern call)."""
+    from torch._inductor import lowering
+
+    return lowering.fallback_handler(op, add_to_fallback_set=False)
+
+
+def register_extern_kernel(name: str, fn: Callable) -> None:
+    """Make ``fn`` callable from Inductor's generated code as ``extern_kernels.<name>``
+    (where Inductor's own extern kernels live), also for code loaded from its FX cache."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    setattr(extern_kernels, name, fn)
+
+
+def is_symbolic(size: Any) -> bool:
+    """An Inductor IR size (sympy) or a SymInt that is not a plain number."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr.free_symbols != set()
+    return bool(getattr(size, "free_symbols", None))
+
+
+def inductor_patterns_registered(device: torch.device | None) -> None:
+    """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
+    compile, otherwise), with both vmaps set aside: it traces example functions."""
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
     from torch._inductor.fx_passes import joint_graph, post_grad
 
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
     with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
         joint_graph.lazy_init(device)
         post_grad.lazy_init()
 
 
-def functorch_transform_active() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
+# --- autograd and the dispatcher -------------------------------------------------
+
+def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
+    """How ``torch.autograd.grad`` normalises ``grad_outputs``."""
+    return torch.autograd._tensor_or_tensors_to_tuple(tensors, length)
+
+
+def shapes_for_message(output: Any, first_grad: Any, is_grads_batched: bool) -> tuple:
+    """The (output, grad) shapes eager prints in its mismatch message.
+
+    Eager slices the batch dimension off ``grad[0]`` again, so a batched
+    message shows ``grad.shape[2:]``; users compare our text with eager's, so
+    we reuse eager's helper rather than fix it here.
+    """
+    return torch.autograd._calculate_shape(output, first_grad, is_grads_batched)
+
+
+def functional_forward_jacobian() -> Callable | None:
+    """``torch.autograd.functional._jacfwd``, which dynbatch traces as vmap over jvp."""
+    return getattr(torch.autograd.functional, "_jacfwd", None)
+
+
+def functional_as_tuple(*args: Any) -> Any:
+    return torch.autograd.functional._as_tuple(*args)
+
+
+def functional_standard_basis(*args: Any) -> Any:
+    return torch.autograd.functional._construct_standard_basis_for(*args)
+
+
+def functional_tuple_postprocess(*args: Any) -> Any:
+    return torch.autograd.functional._tuple_postprocess(*args)
+
+
+def forward_ad_level() -> int:
+    """The innermost active ``torch.autograd.forward_ad.dual_level`` (-1: none)."""
+    return _forward_ad._current_level
+
+
+def has_tangent(t: torch.Tensor) -> bool:
+    return _forward_ad.unpack_dual(t).tangent is not None
+
+
+def engine_will_execute(node: Any) -> bool:
+    """Whether the running backward will execute ``node`` (refused for a leaf's
+    AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """A ZeroTensor: autograd's grad known to be zero, with no storage of its own."""
+    return t._is_zerotensor()
+
+
+def op_schema(op: torch._ops.OpOverload) -> Any:
+    """An op overload's ``FunctionSchema`` (its private ``_schema``): name and arguments."""
+    return op._schema
 
 
 def is_view_op(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
-def add_shape_guard(condition: Any) -> None:
-    """Guard the compiled frame on a sympy condition of its size symbols (true at the example)."""
-    from torch._guards import TracingContext
-
-    context = TracingContext.try_get()
-    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
-    if shape_env is not None:
-        shape_env.evaluate_expr(condition)
-
-
-def mark_batch_dynamic(t: torch.Tensor) -> None:
-    """Let Dynamo compile the batch dim of a chunk symbolic from its first call.  A chunk of one
-    (even chunks have one only when the chunk size is below 3, or B is 1) is still specialised."""
-    torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
-def find_cause(e: BaseException, kind: type) -> Any:
-    """``e`` or the exception it wraps (Inductor and AOTAutograd wrap errors raised in inner compilers)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, kind):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
-    return None
-
-
-def backed_hints(shape_env: Any) -> dict:
-    """Symbol -> value in the example inputs (renamed backed_var_to_val in torch 2.13)."""
-    hints = getattr(shape_env, "backed_var_to_val", None)
-    return hints if hints is not None else shape_env.var_to_val
+def drop_library(lib: torch.library.Library) -> None:
+    """Unregister every kernel ``lib`` registered: the ones it overrode are in effect again."""
+    lib._destroy()
 
 
 # The dispatcher's thread-local key sets of plain user code (read when dynbatch loads).
@@ -1004,24 +461,140 @@ def outside_custom_op() -> Iterator[None]:
         yield
 
 
-def dynamo_skip_frame(fn: Callable) -> Callable:
-    """Dynamo does not trace ``fn``'s own frame, but compiled functions it calls still compile
-    (``disable``'s default, recursive, would run them eagerly)."""
-    return torch._dynamo.disable(fn, recursive=False, reason="dynbatch's chunk loop")
+# --- a torch bug around threads (FakeTensorMode's CUDA guard) --------------------
+
+_FAKE_CUDA_GUARD_PINNED = False
+_FAKE_CUDA_GUARD_LOCK = threading.Lock()
 
 
-def fetch_attr(module: torch.nn.Module, target: str) -> Any:
-    value = module
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
+def fake_cuda_guard_outlives_threads() -> None:
+    """Work around a use-after-free in torch's FakeTensorMode (seen on 2.11.0,
+    not on 2.14.1) on a CUDA build of torch where no GPU is usable.
+
+    The first ``FakeTensorMode.__enter__`` of a process calls
+    ``c10::impl::ensureCUDADeviceGuardSet``, which stores a pointer to a
+    *thread_local* no-op CUDA guard in c10's global device-guard registry.
+    When that thread exits, the pointer dangles and the next compile from
+    another thread segfaults.  Making that first call from a thread that lives
+    as long as the process (the main thread, or a parked daemon thread) keeps
+    the guard alive; later calls find it set and do nothing.  Every compile
+    traces with fake tensors, so this is called once, before the first one."""
+    global _FAKE_CUDA_GUARD_PINNED
+    with _FAKE_CUDA_GUARD_LOCK:
+        if _FAKE_CUDA_GUARD_PINNED:
+            return
+        _FAKE_CUDA_GUARD_PINNED = True
+        ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+        # The same condition as FakeTensorMode.avoid_device_init on a CUDA build.
+        if ensure is None or torch.version.cuda is None or torch.cuda.is_available():
+            return
+        try:
+            call_on_a_lasting_thread(ensure)
+        except Exception as e:  # noqa: BLE001 - only threaded compiles are at risk
+            fail_soft.hook_failed("keeping FakeTensorMode's CUDA guard alive across threads", e)
 
 
-def compile_sympy(symbols: tuple, exprs: list) -> Callable[..., tuple]:
-    """One Python function evaluating ``exprs`` (which may use torch's sympy functions,
-    FloorDiv, ModularIndexing, ...) at integer values of ``symbols``, printed as Dynamo prints guards."""
+def call_on_a_lasting_thread(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on a thread that outlives every other: this one if it is the
+    main thread, else a daemon thread parked for the life of the process."""
+    if threading.current_thread() is threading.main_thread():
+        fn()
+        return
+    done = threading.Event()
+
+    def run_then_park() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+        threading.Event().wait()  # keep this thread's thread_locals alive
+
+    threading.Thread(target=run_then_park, name="dynbatch-fake-cuda-guard", daemon=True).start()
+    done.wait()
+
+
+# --- symbolic shapes, fake tensors and FX ----------------------------------------
+
+def sym_eq(a: Any, b: Any) -> Any:
+    from torch.fx.experimental.symbolic_shapes import sym_eq as _sym_eq
+
+    return _sym_eq(a, b)
+
+
+def expect_true(a: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import expect_true as _expect_true
+
+    return _expect_true(a)
+
+
+def has_unbacked_symbols(x: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(x))
+
+
+@contextlib.contextmanager
+def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
+    """Discard the unbacked SymInts a fake run allocates; yield a counter of them.
+
+    A backward can allocate unbacked sizes that its grads do not carry (e.g.
+    ``nonzero`` in index_put's backward with a boolean mask); left pending,
+    Dynamo fails with PendingUnbackedSymbolNotFound.  The caller learns how
+    many were made (the yielded function) and decides what to do.
+    """
+    from torch._guards import detect_fake_mode
+
+    shape_env = getattr(detect_fake_mode(), "shape_env", None)
+    if shape_env is None or not hasattr(shape_env, "ignore_fresh_unbacked_symbols"):
+        yield lambda: 0
+        return
+    before = shape_env.counter["create_unbacked_symbol"]
+    with shape_env.ignore_fresh_unbacked_symbols():
+        yield lambda: shape_env.counter["create_unbacked_symbol"] - before
+
+
+def add_shape_guard(condition: Any) -> None:
+    """Guard the compiled frame on a sympy condition of its size symbols (true at the example)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    if shape_env is not None:
+        shape_env.evaluate_expr(condition)
+
+
+def backed_hints(shape_env: Any) -> dict:
+    """Symbol -> value in the example inputs (renamed backed_var_to_val in torch 2.13)."""
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    return hints if hints is not None else shape_env.var_to_val
+
+
+def real_tensors():
+    """A context where new tensors are real even inside a compile's FakeTensorMode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def realized_graph_module(gm: Any) -> Any:
+    """``gm`` with its generated ``forward`` in place: Dynamo will not trace into
+    a lazy graph module's placeholder ``_lazy_forward`` (MOD_SKIPLIST)."""
+    real_recompile = getattr(gm, "real_recompile", None)  # _LazyGraphModule only
+    if real_recompile is not None:
+        real_recompile()
+    return gm
+
+
+def empty_graph_like(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """An empty graph that generates code as ``graph`` does: its private ``_codegen``
+    holds Dynamo's pytree handling of inputs and outputs."""
+    new = torch.fx.Graph()
+    new._codegen = graph._codegen
+    return new
+
+
+def guard_printer() -> Any:
+    """The printer that writes sympy expressions as Python, as Dynamo prints its guards."""
     from torch.utils._sympy.printers import PythonPrinter
 
-    printer = PythonPrinter()
-    body = ", ".join(printer.doprint(e) for e in exprs)
-    return eval(f"lambda {', '.join(map(str, symbols))}: ({body},)", {"math": __import__("math")})  # noqa: S307
+    return PythonPrinter()

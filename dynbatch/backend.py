@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, batching, capture, chunking, lowering, memory, region
+from . import _compat, batching, capture, chunking, fx_utils, lowering, memory, region, requires_grad_tracing
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -36,7 +36,7 @@ def dynbatch_backend(
 ) -> Callable[..., Any]:
     opts = Options.from_compile_args(mode, options)
     record = CompileRecord(chunk_program=chunk_program)
-    example_inputs = _compat.with_traced_requires_grad(gm, example_inputs)
+    example_inputs = requires_grad_tracing.with_traced_requires_grad(gm, example_inputs)
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
@@ -81,7 +81,7 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
     try:
         compiled = lowering.lower(batched_gm, example_inputs, opts, record, planner)
     except Exception as e:  # noqa: BLE001 - only a Replan is handled here
-        replan = _compat.find_cause(e, memory.Replan)
+        replan = fx_utils.find_cause(e, memory.Replan)
         if replan is None:
             raise
         # A chunk program is compiled like this graph, without a budget.
@@ -123,7 +123,7 @@ def _fall_back(gm: torch.fx.GraphModule, record: CompileRecord, opts: Options, r
     if opts.on_unsupported == "error":
         raise UnsupportedGraph(f"dynbatch cannot batch this graph: {reason}")
     log.warning("dynbatch: falling back to eager for this graph: %s", reason)
-    marked = _compat.inputs_given_requires_grad(gm)
+    marked = requires_grad_tracing.inputs_given_requires_grad(gm)
     if not marked:
         return gm.forward
 

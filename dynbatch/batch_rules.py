@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Sequence
+import warnings
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import _compat
+from . import _compat, fail_soft
 
 
 def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, int]:
@@ -487,10 +488,11 @@ def fold_attention_backward(op: torch._ops.OpOverload, per_sample: Sequence[str]
     """Rule for a CUDA attention backward, as sdpa_flash_cpu_backward is for
     the CPU one: B folds into the attention batch N, one call on [B*N, ...].
     With dropout, or a per-call argument batched, the per-sample loop stays."""
-    names = [a.name for a in op._schema.arguments]
+    schema = _compat.op_schema(op)
+    names = [a.name for a in schema.arguments]
     folded = [names.index(n) for n in per_sample]
     bias_at = None if bias is None else names.index(bias)
-    bmhk = op._schema.name == "aten::_efficient_attention_backward"  # [N, L, H, E]; the rest [N, H, L, E]
+    bmhk = schema.name == "aten::_efficient_attention_backward"  # [N, L, H, E]; the rest [N, H, L, E]
 
     def rule(*args, **kwargs):
         level = _compat.current_vmap_level()
@@ -607,9 +609,9 @@ def decomposed_rules() -> dict[torch._ops.OpOverload, Callable]:
         if (
             isinstance(op, torch._ops.OpOverload)
             and op.namespace == "aten"
-            and "backward" in op._schema.name
+            and "backward" in _compat.op_schema(op).name
             and not op.is_view
-            and not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in _compat.op_schema(op).arguments)
             and not _compat.functorch_has_batch_rule(op)
         ):
             rules[op] = _per_sample_unless_first_order(op, decomposition)
@@ -621,7 +623,7 @@ def _aten_op(name: str) -> torch._ops.OpOverload | None:
     try:
         return getattr(torch.ops.aten, name).default
     except AttributeError as e:
-        _compat.hook_failed(f"the batching rule for aten::{name}", e)
+        fail_soft.hook_failed(f"the batching rule for aten::{name}", e)
         return None
 
 
@@ -656,4 +658,30 @@ def all_rules() -> dict:
 
 def symbolic_batch_rules() -> contextlib.AbstractContextManager:
     """Our rules in place of functorch's (or of its per-sample fallback), until the context exits."""
-    return _compat.override_kernels("aten", all_rules(), "FuncTorchBatched")
+    return override_kernels("aten", all_rules(), "FuncTorchBatched")
+
+
+@contextlib.contextmanager
+def override_kernels(namespace: str, kernels: dict[Any, Callable], dispatch_key: str) -> Iterator[None]:
+    """Register each ``op -> fn`` as the op's kernel for ``dispatch_key``; restore on exit.
+
+    ``op`` is an OpOverload or an op name in ``namespace``.
+    """
+    lib = torch.library.Library(namespace, "IMPL")
+    failed = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" is the point
+            for op, fn in kernels.items():
+                try:
+                    if isinstance(op, str) and not hasattr(getattr(torch.ops, namespace), op):
+                        # The dispatcher would take an impl for a name it does not know, silently.
+                        raise AttributeError(f"no operator {namespace}::{op}")
+                    lib.impl(op, fn, dispatch_key)
+                except Exception as e:  # noqa: BLE001 - an op gone from this torch keeps functorch's rule
+                    failed.append((op, e))
+        for op, e in failed:  # outside the block above, which silences warnings
+            fail_soft.hook_failed(f"the batching rule for {namespace}::{op}", e)
+        yield
+    finally:
+        _compat.drop_library(lib)  # the C++ kernels are in effect again

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, fx_utils, requires_grad_tracing
 from .batched_grad import batched_grad
 from .capture import TRACE_ERROR, UNSUPPORTED
 
@@ -53,7 +53,7 @@ def is_batched_grad_call(node: torch.fx.Node) -> bool:
 
 def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
     """Rewrite batched grad calls in a copy of ``gm``; report what could not be."""
-    if _compat.leaks_traced_requires_grad(gm):
+    if requires_grad_tracing.leaks_traced_requires_grad(gm):
         return BatchingResult(gm, (), (), (Unsupported(
             "output", "it returns a tensor made from a leaf that requires_grad_() created inside the graph, "
                       "with requires_grad (AOTAutograd would drop its autograd state; torch 2.13 graph-breaks)"),))
@@ -80,10 +80,7 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    graph._codegen = gm.graph._codegen  # keep pytree in/out handling
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
+    graph = fx_utils.copy_graph(gm.graph)
     # Keep what Dynamo attached to the graph (e.g. the shape env, dynamo_flat_name_to_original_fqn).
     new_gm = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
     new_gm.meta.update(getattr(gm, "meta", {}))

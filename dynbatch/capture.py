@@ -9,7 +9,7 @@ only.
 NOTE [Scoped capture]
 ``torch.compile`` does not forward a backend's ``backend_ctx_ctor``, so the
 change cannot be a context around the compiled call.  Instead dynbatch wraps
-Dynamo's per-frame compile entry point once (``_compat.wrap_dynamo_compile``)
+Dynamo's per-frame compile entry point once (``wrap_dynamo_compile``)
 and, only when the frame is being compiled for dynbatch, enters a scope that
 (1) sets ``trace_autograd_ops=True``, (2) lets Dynamo inline
 ``torch.autograd.functional`` (jacobian/hessian with vectorize=True call
@@ -21,9 +21,12 @@ and (5) on torch 2.11 traces ``requires_grad_()`` of in-graph tensors as
 2.13 does (``x.detach().requires_grad_()``; jacobian/hessian call it).
 All five are undone when that frame's compile ends, and each fails soft:
 where a torch release moved what it hooks, that piece is off (one warning,
-``_compat.HOOK_FAILURES``) and the compile goes on with stock behaviour.  Dynamo compiles one frame
+``fail_soft.HOOK_FAILURES``) and the compile goes on with stock behaviour.  Dynamo compiles one frame
 at a time under a global lock, so the scope never overlaps another backend's
-compile, and other backends see stock Dynamo.
+compile, and other backends see stock Dynamo.  The hooks are capture's logic,
+so they live here (and in requires_grad_tracing.py), not in ``_compat``, and
+patch Dynamo's own tables: its compile entry, ``utils.run_node``, the
+trace-rule map and the polyfill handlers.
 
 NOTE [Errors are eager's]
 If a captured grad would raise (bad shapes, unused input without
@@ -38,12 +41,14 @@ exception, message and type, at run time.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, batch_rules, zero_tangents
+from . import _compat, batch_rules, fail_soft, requires_grad_tracing, zero_tangents
 from .batched_grad import batched_grad, forward_mode_jacobian
 
 log = logging.getLogger("dynbatch")
@@ -56,7 +61,55 @@ UNSUPPORTED = "dynbatch_unsupported"
 
 def install() -> None:
     """Hook dynbatch's capture scope into Dynamo (idempotent). Runs when dynbatch loads."""
-    _compat.wrap_dynamo_compile(_scope_for)
+    wrap_dynamo_compile(_scope_for)
+
+
+def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
+    """Enter ``scope_for(backend)`` around each Dynamo frame compile.
+
+    Dynamo has no public hook that runs before tracing *and* knows the
+    backend: ``torch.compile`` does not forward a backend's
+    ``backend_ctx_ctor``, and compile start/end callbacks are wiped by
+    ``torch._dynamo.reset()``.  ``convert_frame._compile`` is the per-frame
+    entry point and receives the backend as ``compiler_fn``; we wrap it once.
+    For other backends the wrapper only unwraps the backend and compares it.
+    """
+    import torch._dynamo.convert_frame as convert_frame
+
+    original = getattr(convert_frame, "_compile", None)
+    if getattr(original, "_dynbatch_original", None) is not None:
+        return
+    try:
+        params = list(inspect.signature(original).parameters)
+        position = params.index("compiler_fn")
+    except (TypeError, ValueError) as e:
+        # Without the hook dynbatch cannot scope its capture: torch.autograd.grad
+        # graph-breaks as under stock Dynamo and runs eagerly, with eager's values.
+        fail_soft.hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
+        return
+
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        backend = args[position] if len(args) > position else kwargs.get("compiler_fn")
+        with scope_for(unwrap_backend(backend)):
+            return original(*args, **kwargs)
+
+    _compile._dynbatch_original = original  # type: ignore[attr-defined]
+    convert_frame._compile = _compile
+
+
+def unwrap_backend(fn: Any) -> Any:
+    """Peel Dynamo's and torch.compile's wrappers off a backend callable."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if hasattr(fn, "_torchdynamo_orig_backend"):  # WrapBackendDebug, callbacks
+            fn = fn._torchdynamo_orig_backend
+        elif hasattr(fn, "compiler_fn"):  # torch._TorchCompileWrapper
+            fn = fn.compiler_fn
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+    return fn
 
 
 def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
@@ -69,28 +122,78 @@ def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
 def capture_scope():
     """Trace ``torch.autograd.grad`` into the graph, batched grads via functorch.
 
-    Each piece is one feature that fails soft (``_compat.soft``): where this
+    Each piece is one feature that fails soft (``fail_soft.soft``): where this
     torch's internals moved, that piece is off with a warning and the compile
     goes on with stock behaviour (a graph break, functorch's own rule)."""
     _compat.warn_once_if_untested()
     _compat.fake_cuda_guard_outlives_threads()
-    soft = _compat.soft
+    soft = fail_soft.soft
     jacfwd = _compat.functional_forward_jacobian()
     with (
         soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules),
         soft("symbolic sizes of forward mode's zero tangents", zero_tangents.symbolic_zero_tangents),
         soft("capture of torch.autograd.grad", _grads_traced_by_dynbatch),
         soft("tracing into torch.autograd.functional",
-             lambda: _compat.dynamo_inlines_module("torch.autograd.functional")),
+             lambda: dynamo_inlines_module("torch.autograd.functional")),
         # after the line above, which maps every function of the module to plain inlining
         soft("the forward-mode Jacobian",
-             lambda: _compat.dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
+             lambda: dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
              else contextlib.nullcontext()),
-        soft("tracing requires_grad_() (torch 2.11)", _compat.dynamo_traces_requires_grad_of_intermediates),
+        soft("tracing requires_grad_() (torch 2.11)",
+             requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),
         # after the line above: inputs here, the rest passed on to it
-        soft("tracing requires_grad_() of graph inputs", _compat.dynamo_traces_requires_grad_of_inputs),
+        soft("tracing requires_grad_() of graph inputs", requires_grad_tracing.dynamo_traces_requires_grad_of_inputs),
     ):
         yield
+
+
+@contextlib.contextmanager
+def dynamo_inlines_module(module_name: str) -> Iterator[None]:
+    """Let Dynamo trace *into* a torch module's functions instead of calling them.
+
+    Dynamo lists ``torch.autograd.functional.jacobian`` and friends as
+    in-graph functions and then cannot put them in the graph (they take a
+    Python callable), so it graph-breaks.  Inlining them exposes the
+    ``torch.autograd.grad(..., is_grads_batched=True)`` call inside.
+    """
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import UserFunctionVariable
+
+    rules = trace_rules.get_torch_obj_rule_map()  # functools.cache: one shared dict
+    saved = {k: v for k, v in rules.items() if getattr(k, "__module__", None) == module_name}
+    rules.update(dict.fromkeys(saved, UserFunctionVariable))
+    try:
+        yield
+    finally:
+        rules.update(saved)
+
+
+@contextlib.contextmanager
+def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[None]:
+    """While the block runs, Dynamo traces ``replacement`` wherever user code
+    calls ``original`` (its polyfill mechanism, scoped instead of global).
+    Eager calls of ``original`` are unchanged, and guards see the same object."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables.functions import PolyfilledFunctionVariable
+
+    rules = trace_rules.get_torch_obj_rule_map()
+    handlers = PolyfilledFunctionVariable._get_polyfill_handlers()
+    saved_rule, saved_handler = rules.get(original), handlers.get(original)
+
+    @functools.wraps(original)
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    handler.__torch_dynamo_polyfill__ = replacement  # type: ignore[attr-defined]
+    rules[original], handlers[original] = PolyfilledFunctionVariable, handler
+    try:
+        yield
+    finally:
+        for table, value in ((rules, saved_rule), (handlers, saved_handler)):
+            if value is None:
+                table.pop(original, None)
+            else:
+                table[original] = value
 
 
 @contextlib.contextmanager

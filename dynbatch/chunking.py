@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _compat, memory
+from . import _compat, fx_utils, memory
 from .batched_grad import batched_grad
 
 log = logging.getLogger("dynbatch")
@@ -169,7 +169,7 @@ def chunk_grads(
     """
     refused: dict[str, str] = {}
     global_state = _global_state_nodes(original.graph)
-    new_gm = torch.fx.GraphModule(batched, _copy(batched.graph), batched.__class__.__name__)
+    new_gm = torch.fx.GraphModule(batched, fx_utils.copy_graph(batched.graph), batched.__class__.__name__)
     new_gm.meta.update(getattr(batched, "meta", {}))
     by_name = {n.name: n for n in original.graph.nodes}
     new_by_name = {n.name: n for n in new_gm.graph.nodes}
@@ -194,13 +194,6 @@ def _has_effects(node: torch.fx.Node) -> bool:
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return (node.is_impure() or (node.op == "call_method" and name.endswith("_"))
             or (node.op == "call_function" and name.startswith("set_")))
-
-
-def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
-    new = torch.fx.Graph()
-    new._codegen = graph._codegen
-    new.output(new.graph_copy(graph, {}))
-    return new
 
 
 def _global_state_nodes(graph: torch.fx.Graph) -> list[str]:
@@ -287,7 +280,7 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
                        for i, u in enumerate(used) if u))
     # A fresh root holding only what the program reads: Dynamo's own graph module
     # is not one Dynamo would trace again.
-    attributes = {n.target: _compat.fetch_attr(original, n.target) for n in body if n.op == "get_attr"}
+    attributes = {n.target: fx_utils.fetch_attr(original, n.target) for n in body if n.op == "get_attr"}
     program_gm = torch.fx.GraphModule(attributes, graph, "ChunkProgram")
 
     estimate = planner.estimates.get(node.name)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Sequence
+import warnings
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -36,11 +37,23 @@ def lower(
     # retain_graph=True (region.py), which donated buffers forbid.  Torch's
     # deprecation warnings about its own internals are not the user's to see.
     planner = planner or memory.Planner(None, None)
-    with (_compat.aot_config_patch(donated_buffer=False), _compat.torch_internal_deprecations_hidden(),
+    with (_compat.aot_config_patch(donated_buffer=False), torch_internal_deprecations_hidden(),
           memory.collecting() if planner.active else contextlib.nullcontext()):
         if options.inner_compiler == "inductor":
             return _lower_with_inductor(gm, example_inputs, options, record, planner)
         return _lower_with_aot_eager(gm, example_inputs, options, record, planner)
+
+
+@contextlib.contextmanager
+def torch_internal_deprecations_hidden() -> Iterator[None]:
+    """Hide Future/DeprecationWarnings raised *by torch modules* while dynbatch
+    lowers a graph (Inductor's aten.diagonal lowering calls the deprecated
+    ``torch._prims_common.check``): code that asserts no warnings should not
+    see torch's notes to itself.  Warnings attributed to user code still show."""
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
+        yield
 
 
 def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool,
@@ -71,7 +84,7 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
                                          **routed_matmul_lowerings}):
             return inner(aten_gm, aten_inputs, **kwargs)
 
-    _compat.inductor_patterns_registered_outside_transforms(example_inputs)
+    inductor_patterns_registered_outside_transforms(example_inputs)
     cpu_matmul = _cpu_matmul(options)
     routed_matmul_lowerings = matmul_kernels.lowerings() if cpu_matmul != "aten" else {}
     config_patches = dict(options.inductor_config)
@@ -88,13 +101,25 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     )
 
 
+def inductor_patterns_registered_outside_transforms(example_inputs: Any) -> None:
+    """Inductor registers its pattern-matcher patterns at a process's first compile,
+    by tracing example functions, one of which draws ``randperm``.  When that first
+    compile happens under a functorch transform (a region's backward taken inside
+    vmap, eager's legacy one or functorch's), the tracing fails: "random operations
+    inside of vmap".  Register them with both set aside; Inductor's own calls then
+    find them cached (the same device argument)."""
+    if not (_compat.legacy_vmap_active() or _compat.functorch_transform_active()):
+        return
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    _compat.inductor_patterns_registered(device)
+
+
 def _cpu_matmul(options: Options) -> str:
     """The CPU product kernel choice this graph can take: Inductor's C++ wrapper
     (``cpp_wrapper``) calls extern kernels from C++ and has no call for the routed
     Python kernel (its codegen fails), so there every product stays ATen's ``mm``."""
-    from torch._inductor import config as inductor_config
-
-    if options.cpu_matmul != "aten" and options.inductor_config.get("cpp_wrapper", inductor_config.cpp_wrapper):
+    if options.cpu_matmul != "aten" and options.inductor_config.get(
+            "cpp_wrapper", _compat.inductor_config_value("cpp_wrapper")):
         log.debug("dynbatch: cpp_wrapper is on: CPU products stay with ATen (dynbatch.cpu_matmul=%r ignored)",
                   options.cpu_matmul)
         return "aten"
@@ -112,7 +137,7 @@ def _extern_when_weight_is_symbolic(weight: int, groups: int) -> Callable:
 
     def wrap(op: torch._ops.OpOverload, lowering: Callable) -> Callable:
         extern = _compat.inductor_fallback(op)
-        names = [a.name for a in op._schema.arguments]
+        names = [a.name for a in _compat.op_schema(op).arguments]
 
         def lower_convolution(*args, **kwargs):
             w, g = (args[i] if i < len(args) else kwargs[names[i]] for i in (weight, groups))

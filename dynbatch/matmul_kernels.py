@@ -22,6 +22,10 @@ constant, and M is symbolic here, so the choice is a custom op,
 ``dynbatch::linear_nt``.  Inductor lowers it (``lowerings()``) to a plain call of
 ``linear_nt`` from its generated code, as it calls ``mm``: an extern call of the
 op itself would go through the dispatcher's Python kernel, 10-20 us a product.
+That lowering builds Inductor's IR nodes here (``extern_alloc_lowering``): with
+oneDNN's ``_linear_pointwise``, the private torch APIs this module uses itself,
+not through ``_compat``.  Where the IR moved, products fall back to the op's own
+extern call (fail_soft.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from . import _compat
+from . import _compat, fail_soft
 
 log = logging.getLogger("dynbatch")
 
@@ -177,7 +181,34 @@ def register() -> None:
 def lowerings() -> dict:
     """Inductor's lowering of the op (it has none): ``extern_kernels.dynbatch_linear_nt(a, w, kernel)``,
     in the form ``_compat.inductor_lowerings`` takes."""
-    return {op(): lambda op, _none: _compat.extern_alloc_lowering(op, EXTERN_NAME, 0, (1, 0))}
+    return {op(): lambda op, _none: extern_alloc_lowering(op, EXTERN_NAME, 0, (1, 0))}
+
+
+def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
+                          out_cols: tuple[int, int]) -> Callable:
+    """A lowering of ``op`` that calls ``extern_kernels.<name>(*tensors, *constants)`` from the
+    generated code, a plain Python call (the op would go through the dispatcher, 10-20 us on a
+    small product); its output is a new contiguous matrix [size(out_rows, 0), size(out_cols)].
+    Where Inductor's IR differs from what this expects, the op's own extern call instead."""
+    from torch._inductor import ir
+
+    def lower(*args):
+        try:
+            return _extern_alloc(*args)
+        except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure path
+            fail_soft.hook_failed(f"the direct extern call of {op}", e)
+            return _compat.inductor_fallback(op)(*args)
+
+    def _extern_alloc(*args):
+        tensors = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(a))
+                   for a in args if isinstance(a, ir.IRNode)]
+        constants = tuple(a for a in args if not isinstance(a, ir.IRNode))
+        size = [tensors[out_rows].get_size()[0], tensors[out_cols[0]].get_size()[out_cols[1]]]
+        layout = ir.FixedLayout(tensors[0].get_device(), tensors[0].get_dtype(), size)
+        return ir.TensorBox.create(ir.ExternKernelAlloc(layout, tensors, constant_args=constants,
+                                                        python_kernel_name=f"extern_kernels.{name}"))
+
+    return lower
 
 
 def _linear_nt_fake(a: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ import sympy
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, fx_utils
 
 log = logging.getLogger("dynbatch")
 
@@ -122,7 +122,7 @@ def mark(tensors: Sequence[torch.Tensor | None], role: int, create_graph: bool) 
 def _lazy(t: torch.Tensor) -> bool:
     """Zero tensors (a grad known to be zero) and conj/neg views: an op would materialise
     them, at sizes it reads as ints (specialising B); they hold no batched memory anyway."""
-    return t._is_zerotensor() or t.is_conj() or t.is_neg()
+    return _compat.is_zero_tensor(t) or t.is_conj() or t.is_neg()
 
 
 def _is_marker(node: torch.fx.Node) -> bool:
@@ -143,7 +143,7 @@ class Estimate:
     def __post_init__(self):
         self.symbols = tuple(sorted({s for e in (self.batch, *self.live) for s in e.free_symbols}, key=str))
         # Evaluated at every chunked call: compiled once, not sympy's subs.
-        self._evaluate = _compat.compile_sympy(self.symbols, [self.batch, *self.live])
+        self._evaluate = fx_utils.compile_sympy(self.symbols, [self.batch, *self.live])
 
     def bytes_per_sample(self, values: dict[sympy.Symbol, int] | None = None) -> int:
         values = {**self.hints, **(values or {})}

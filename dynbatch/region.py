@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat
+from . import _compat, fx_utils, requires_grad_tracing
+from .region_batching import batching_of
 from .records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -86,14 +87,14 @@ class Region:
         self.gm = _compat.realized_graph_module(gm)
         self.compiled = compiled
         # Inputs the graph calls requires_grad_() on: set on the real tensors at each call.
-        self.sets_requires_grad = _compat.inputs_given_requires_grad(self.gm)
+        self.sets_requires_grad = requires_grad_tracing.inputs_given_requires_grad(self.gm)
         self.diff_args = tuple(
             i for i, a in enumerate(example_inputs)
             if isinstance(a, torch.Tensor) and (a.requires_grad or i in self.sets_requires_grad)
             and torch.is_grad_enabled()
         )
         self.is_input = tuple(i in self.diff_args for i in range(len(example_inputs)))
-        self.n_outputs = _compat.graph_output_count(self.gm)
+        self.n_outputs = fx_utils.graph_output_count(self.gm)
         self.mutates_differentiable_input = mutates_differentiable_input
         is_input = self.is_input
         self.program = Program(
@@ -442,7 +443,7 @@ class _ProgramFunction(torch.autograd.Function):
 def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad):
     """Pick the path for one backward call (NOTE [Region backward])."""
     cotangents = [g for _, g in out_grads]
-    batching = _compat.batching_of(cotangents)
+    batching = batching_of(cotangents)
     if program.linear is not None:
         grads = _grads_from_forward(program, out_grads, needed, batching, forward_grads)
         if grads is not None:
@@ -574,7 +575,7 @@ class _FirstOrderOnly(torch.autograd.Function):
     @staticmethod
     @_compat.dynamo_disable
     def backward(ctx, *grads):
-        if torch.is_grad_enabled() or _compat.batching_of([g for g in grads if g is not None]):
+        if torch.is_grad_enabled() or batching_of([g for g in grads if g is not None]):
             raise RuntimeError(
                 "dynbatch: this compiled graph mutates an input that requires grad in place, so "
                 "its backward is first-order and unbatched only; create_graph=True or batched "

@@ -17,13 +17,13 @@ from numbers import Number
 
 import torch
 
-from . import _compat
+from . import _compat, batch_rules
 
 Operand = torch.Tensor | Number  # a Python number arrives as itself (a wrapped number)
 
 
 def _is_zero(x: Operand) -> bool:
-    return isinstance(x, torch.Tensor) and x._is_zerotensor()
+    return isinstance(x, torch.Tensor) and _compat.is_zero_tensor(x)
 
 
 def _result(self: Operand, other: Operand, *, true_division: bool = False) -> dict:
@@ -44,7 +44,7 @@ def _result(self: Operand, other: Operand, *, true_division: bool = False) -> di
 
 
 def _zeros(out: dict) -> torch.Tensor:
-    return torch._efficientzerotensor(out["size"], dtype=out["dtype"], device=out["device"])
+    return torch.ops.aten._efficientzerotensor.default(out["size"], dtype=out["dtype"], device=out["device"])
 
 
 def _copy(x: Operand, out: dict) -> torch.Tensor:
@@ -82,6 +82,6 @@ def div(self: Operand, other: Operand) -> torch.Tensor:
 def symbolic_zero_tangents() -> contextlib.AbstractContextManager:
     """The kernels above for the ZeroTensor key, until the context exits."""
     aten = torch.ops.aten
-    return _compat.override_kernels(
+    return batch_rules.override_kernels(
         "aten", {aten.mul.Tensor: mul, aten.add.Tensor: add, aten.sub.Tensor: sub, aten.div.Tensor: div},
         "ZeroTensor")

@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 
 import dynbatch
 from conftest import assert_same_grads
-from dynbatch import _compat, batch_rules, capture, lowering
+from dynbatch import _compat, batch_rules, capture, fail_soft, lowering, requires_grad_tracing
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
 
@@ -30,11 +30,11 @@ def args(B=3):
 
 @pytest.fixture(autouse=True)
 def fresh_hooks():
-    _compat.HOOK_FAILURES.clear()
-    _compat._WARNED.clear()
+    fail_soft.HOOK_FAILURES.clear()
+    fail_soft._WARNED.clear()
     yield
-    _compat.HOOK_FAILURES.clear()
-    _compat._WARNED.clear()
+    fail_soft.HOOK_FAILURES.clear()
+    fail_soft._WARNED.clear()
 
 
 def _hook_warnings(record) -> list[str]:
@@ -73,7 +73,7 @@ def test_a_capture_piece_that_cannot_enter_is_off_and_the_rest_works(monkeypatch
     def moved(module_name):
         raise AttributeError("trace_rules.get_torch_obj_rule_map")
 
-    monkeypatch.setattr(_compat, "dynamo_inlines_module", moved)
+    monkeypatch.setattr(capture, "dynamo_inlines_module", moved)
 
     def jac(x):
         return torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ W), x, vectorize=True)
@@ -94,7 +94,7 @@ def test_a_moved_requires_grad_hook_leaves_dynamos_graph_break(monkeypatch):
     def moved():
         raise AttributeError("InstructionTranslatorBase.dispatch_table")
 
-    monkeypatch.setattr(_compat, "dynamo_traces_requires_grad_of_inputs", moved)
+    monkeypatch.setattr(requires_grad_tracing, "dynamo_traces_requires_grad_of_inputs", moved)
 
     def forces(w, pos):
         pos.requires_grad_(True)

@@ -1,7 +1,7 @@
 """``x.detach().requires_grad_()`` inside a dynbatch compile on torch 2.11.
 
 Stock Dynamo 2.11 graph-breaks on ``requires_grad_()``;
-``_compat.dynamo_traces_requires_grad_of_intermediates`` traces it as 2.13
+``requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates`` traces it as 2.13
 does, and the batching pass runs a graph eagerly where such a new leaf leaks
 as an output with requires_grad.  On 2.13 (CI) the backport is forced on, so
 these tests exercise it there too; on 2.11 it is the code path users get.
@@ -14,7 +14,7 @@ import torch
 
 import dynbatch
 from conftest import assert_same_grads
-from dynbatch import _compat
+from dynbatch import _compat, requires_grad_tracing
 
 
 @pytest.fixture(params=["backport", "this torch's dynamo"])
@@ -90,4 +90,4 @@ def _graph(returns_leaf_descendant: bool, requires_grad: bool) -> torch.fx.Graph
 @pytest.mark.parametrize("returns_leaf_descendant, requires_grad, leaks", [
     (True, True, True), (True, False, False), (False, True, False)])
 def test_leak_check_on_hand_built_graphs(returns_leaf_descendant, requires_grad, leaks):
-    assert _compat.leaks_traced_requires_grad(_graph(returns_leaf_descendant, requires_grad)) is leaks
+    assert requires_grad_tracing.leaks_traced_requires_grad(_graph(returns_leaf_descendant, requires_grad)) is leaks

@@ -1,0 +1,92 @@
+"""Which vmap batches the grads a region's backward receives, and how to step outside it.
+
+A backward taken from outside a compiled region (region.py) may receive grads
+batched by eager's legacy vmap (``is_grads_batched``, ``vectorize=True``) or by
+``torch.func.vmap``.  ``batching_of`` tells them apart and ``Batching`` turns
+them into physical [B, ...] tensors and back.  Kept beside region.py, which is
+long enough without it; the vmap internals it reads are ``_compat``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import _compat
+
+
+class Batching:
+    """How a set of grads is batched: by eager's legacy vmap or by torch.func."""
+
+    def __init__(self, kind: str, level: int) -> None:
+        self.kind, self.level = kind, level
+
+    @contextlib.contextmanager
+    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]):
+        """Yield (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this vmap level.
+
+        Grads not batched at this level are expanded to B.  ``rewrap`` turns
+        physical [B, ...] results (or None) back into batched tensors.
+        """
+        physical = [(i, self._unwrap(g)) for i, g in out_grads]
+        sizes = {p.shape[0] for (_, p), (_, g) in zip(physical, out_grads) if self._is_batched(g)}
+        batch_size = sizes.pop()
+        physical = [(i, p if self._is_batched(g) else p.expand(batch_size, *p.shape))
+                    for (i, p), (_, g) in zip(physical, out_grads)]
+        # Legacy vmap's dispatch key rejects random ops (Inductor draws some while it
+        # compiles) in every tensor op, batched or not.
+        with _compat.outside_legacy_vmap() if self.kind == "legacy" else contextlib.nullcontext():
+            yield physical, batch_size, self._rewrap
+
+    def _is_batched(self, g: torch.Tensor) -> bool:
+        if self.kind == "legacy":
+            return _compat.is_legacy_batched(g)
+        return _compat.functorch_level(g) == self.level
+
+    def _unwrap(self, g: torch.Tensor) -> torch.Tensor:
+        if not self._is_batched(g):
+            return g
+        if self.kind == "legacy":
+            # A batched tensor's own batch size is used; the size argument is for unbatched ones.
+            return _compat.legacy_remove_batch_dim(g, self.level, 0, 0)
+        value, bdim = _compat.unwrap_at(g, self.level)
+        return value.movedim(bdim, 0)
+
+    def _rewrap(self, grads: tuple) -> tuple:
+        add = _compat.legacy_add_batch_dim if self.kind == "legacy" else _compat.rewrap_batched
+        return tuple(None if g is None else add(g, 0, self.level) for g in grads)
+
+
+def batching_of(grads: list[torch.Tensor]) -> Batching | None:
+    """The vmap that batches these grads, or None for plain tensors.  One batch
+    level is unwrapped; anything deeper is "nested", for paths (an eager
+    re-run) that take any batching as it comes."""
+    legacy = [g for g in grads if _compat.is_legacy_batched(g)]
+    if legacy:
+        level = _compat.legacy_vmap_level() or _legacy_level_of(legacy[0])
+        if level and not any(_compat.is_legacy_batched(_compat.legacy_remove_batch_dim(g, level, 0, 0))
+                             for g in legacy):
+            return Batching("legacy", level)
+        return Batching("nested", -1)
+    wrapped = [g for g in grads if _compat.is_functorch_wrapped(g)]
+    if not wrapped:
+        return None
+    levels = {_compat.functorch_level(g) for g in wrapped}
+    if len(levels) == 1 and all(_compat.is_functorch_batched(g) for g in wrapped):
+        return Batching("functorch", levels.pop())
+    return Batching("nested", -1)
+
+
+def _legacy_level_of(t: torch.Tensor, most: int = 64) -> int:
+    """The first legacy vmap level that batches ``t`` (0: none up to ``most``).
+
+    For a backward on one of autograd's device threads (CUDA): the engine carries
+    the caller's dispatch keys there, vmap's among them, but not vmap's level
+    count, so ``legacy_vmap_level()`` reads 0.  ``_remove_batch_dim`` of a level
+    the tensor lacks expands to the given size instead, which tells them apart."""
+    for level in range(1, most + 1):
+        if (_compat.legacy_remove_batch_dim(t, level, 0, 0).shape[0]
+                == _compat.legacy_remove_batch_dim(t, level, 1, 0).shape[0]):
+            return level
+    return 0
