@@ -75,8 +75,7 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
                          mode: str | None, options: dict[str, Any] | None):
     """Lower the batched graph; where the memory plan asks, with grads run chunk by chunk
     (NOTE [Chunked batched grads] in chunking.py)."""
-    planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size,
-                             chunk_when_dynamic=isinstance(opts.memory_budget, int))
+    planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size)
     record.memory_budget = planner.budget
     try:
         compiled = lowering.lower(batched_gm, example_inputs, opts, record, planner)

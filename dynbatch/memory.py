@@ -67,16 +67,16 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # it does eagerly.  Below it, the chunk loop's per-call overhead is not worth it.
 SEPARATE_ABOVE = 64 * 2**20
 
-# NOTE [One graph across the budget]
+# NOTE [Why a B sweep across the budget compiles three graphs]
 # A graph whose B is static knows whether its grads fit.  Once B is symbolic
-# (Dynamo's second graph), a graph that fits at its example B needs a guard
-# "fits", and the first B past the budget compiles a third graph, chunked.
-# With a budget the user gave, a graph with B symbolic runs its grads through
-# the chunk loop from the start instead: one chunk, with no copy, while B fits
-# (chunking.ChunkProgram.run), so a B sweep across the budget compiles two
-# graphs.  Not with "auto": there the grad would leave the graph for every
-# call, fits or not (Inductor fuses nothing across the chunk program), to save
-# a compile only sweeps that cross the budget pay.
+# (Dynamo's second graph), a graph that fits at its example B gets a guard
+# "fits", and the first B past the budget compiles a third graph, chunked, which
+# serves every B after it.  Running the second graph's grads through the chunk
+# loop from the start (one chunk while B fits) would save that compile, but
+# the grad then leaves the graph on every call: measured side by side (bench
+# `ab dynbatch.memory_budget=auto,256MiB`, one core, this project's CPU) the
+# sweep's calls took x1.9 at B = 4 and 16, x1.3 at 64, x1.04 at 1024, and HVPs
+# with K = 8 x2.2 -- every call paying for a compile only sweeps that cross pay.
 
 COTANGENT, GRAD = 0, 1  # marker roles
 
@@ -343,10 +343,9 @@ class Replan(Exception):
 class Planner:
     """Decides, from the estimates of one graph's batched grads, which run in chunks."""
 
-    def __init__(self, budget: int | None, chunk_size: int | None, *, chunk_when_dynamic: bool = False):
+    def __init__(self, budget: int | None, chunk_size: int | None):
         self.budget = budget
         self.fixed_chunk = chunk_size
-        self.chunk_when_dynamic = chunk_when_dynamic  # NOTE [One graph across the budget]
         self.estimates: dict[str, Estimate] = {}
         self.chunked: tuple[str, ...] = ()  # set by the backend once it lowers the chunked graph
         self.refused: dict[str, str] = {}  # grad -> why it cannot be chunked
@@ -380,8 +379,6 @@ class Planner:
             # A symbolic B may grow past the chunk at any call: always through the chunk loop.
             return [g for g in candidates
                     if found[g].batch.free_symbols or found[g].example_batch() > self.fixed_chunk]
-        if self.chunk_when_dynamic and any(found[g].batch.free_symbols for g in candidates):
-            return [g for g in candidates if found[g].batch.free_symbols]
         totals = {g: e.bytes_per_sample() * e.example_batch() for g, e in found.items()}
         if sum(totals.values()) > self.budget:
             return candidates
