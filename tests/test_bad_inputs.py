@@ -37,15 +37,8 @@ import torch
 import dynbatch
 from dynbatch import shape_checks
 from dynbatch.options import Options
-from helpers_reliability import (
-    FALLBACK,
-    assert_fell_back,
-    assert_grads_equal,
-    assert_same_exception,
-    compile_dynbatch,
-    graph_breaks,
-    outcome,
-)
+from conftest import FALLBACK, assert_fell_back, assert_same_grads, compile_dynbatch
+from helpers_reliability import assert_same_exception, graph_breaks, outcome
 
 grad = torch.autograd.grad
 
@@ -247,7 +240,7 @@ def _assert_same_values(got: Any, want: Any, name: str) -> None:
         if isinstance(e, torch.Tensor):
             assert isinstance(a, torch.Tensor), f"{name}: leaf {i} is {type(a)}"
             assert a.dtype == e.dtype, f"{name}: leaf {i} dtype {a.dtype} vs eager {e.dtype}"
-            assert_grads_equal([a], [e], msg=f"{name} leaf {i}")
+            assert_same_grads([a], [e], msg=f"{name} leaf {i}")
         else:
             assert a == e, f"{name}: leaf {i}: {a!r} vs eager {e!r}"
 
@@ -330,7 +323,7 @@ def test_good_call_after_bad_call_compiles_and_batches(caplog):
             compiled(*REJECTED["batched_shape_mismatch"].make_args(_g()))
     assert_fell_back(caplog)
     x, V = _x(_g(1), 3, 4), _randn(_g(2), 2, 3, 4)
-    assert_grads_equal(compiled(x, V), p_batched(x, V))
+    assert_same_grads(compiled(x, V), p_batched(x, V))
     c = dynbatch.counters()  # the good shapes compile a second graph, batched
     assert c["graphs"] == 2 and c["graphs_batched"] == 1 and c["fallbacks"] == 1, c
 
@@ -386,6 +379,7 @@ def test_unknown_dynbatch_option_lists_known_ones():
 
 
 def test_unknown_option_at_compile_time_raises():
+    # The user's torch.compile(options=...), not compile_dynbatch: the options as given reach dynbatch.
     compiled = torch.compile(p_batched, backend="dynbatch", options={"dynbatch.nope": 1})
     with pytest.raises(Exception, match="known dynbatch options"):
         compiled(torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4))
@@ -408,6 +402,7 @@ def test_mode_and_options_reach_inductor(monkeypatch):
 
     monkeypatch.setattr(_compat, "compile_fx", spy)
     x, V = torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4)
+    # The user's torch.compile(mode=, options=), not compile_dynbatch: nothing but these reaches Inductor.
     torch.compile(p_batched, backend="dynbatch", options={"epilogue_fusion": False})(x, V)
     assert seen[-1]["epilogue_fusion"] is False
     torch._dynamo.reset()

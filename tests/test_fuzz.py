@@ -40,14 +40,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import dynbatch
-from helpers_reliability import (
-    assert_grads_equal,
-    compile_dynbatch,
-    counters_delta,
-    graph_breaks,
-    loop_grads,
-    reset_all,
-)
+from conftest import assert_same_grads, compile_dynbatch, loop_grads, reset_all
+from helpers_reliability import counters_delta, graph_breaks
 
 EXAMPLES = int(os.environ.get("DYNBATCH_FUZZ_EXAMPLES", "60"))
 # The slow-marked run of the same check (-m slow).
@@ -325,7 +319,7 @@ def _check_program(p: Program, inputs: list[torch.Tensor], inner_compiler: str =
                            options={"dynbatch.inner_compiler": inner_compiler})(inputs, V)
     delta = counters_delta(before)
     tol = {"rtol": 1e-7, "atol": 1e-7} if p.dtype == "float64" else {"rtol": 1e-4, "atol": 1e-5}
-    assert_grads_equal(got, expected, msg=repr(p), **tol)
+    assert_same_grads(got, expected, msg=repr(p), **tol)
     assert graph_breaks() == 0
     assert delta.get("grads_batched") == 1 and not delta.get("fallbacks"), (delta, dynbatch.fallback_reasons())
     if p.create_graph:
@@ -338,7 +332,7 @@ def _check_program(p: Program, inputs: list[torch.Tensor], inner_compiler: str =
                       for ts in ([g for g, _ in used], [e for _, e in used])]
             # A derivative of a derivative amplifies float32 rounding.
             tol2 = tol if p.dtype == "float64" else {"rtol": 1e-3, "atol": 1e-4}
-            assert_grads_equal(second[0], second[1], msg=f"second order {p!r}", **tol2)
+            assert_same_grads(second[0], second[1], msg=f"second order {p!r}", **tol2)
 
 
 def _fuzz(max_examples: int):

@@ -39,6 +39,9 @@ def grad_program(x):
     return torch.autograd.grad(x.sin().sum(), x)[0]
 
 
+# The next two tests call torch.compile(backend="dynbatch") as a user does, not conftest's
+# compile_dynbatch: they are about the name's registration and Dynamo's state around it.
+
 def test_other_backends_still_see_stock_dynamo():
     # A dynbatch compile first, so its scope has been entered and left.
     torch.compile(grad_program, backend="dynbatch", options={"dynbatch.inner_compiler": "aot_eager"})(torch.randn(3, requires_grad=True))
