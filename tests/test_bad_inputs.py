@@ -298,9 +298,38 @@ def test_accepted_like_eager(name, fullgraph):
     assert graph_breaks() == 0
 
 
-def test_corpus_size():
-    """The issue asks for at least 18 rejected cases."""
-    assert len(REJECTED) >= 18
+# A fragment of the message of each of eager's checks of grad()'s arguments that a user
+# can trip, from torch.autograd (_make_grads, grad, vmap) and the engine.
+EAGER_CHECKS = (
+    "If `is_grads_batched=True`, we interpret the first dimension",  # batched shape
+    "Mismatch in shape",  # unbatched shape
+    "For complex Tensors, both grad_output and output are required to have the same dtype",
+    "grad can be implicitly created only for scalar outputs",
+    "grad can be implicitly created only for real scalar outputs",
+    "invalid index of a 0-dim tensor",  # a 0-dim batched grad_output
+    "index 0 is out of bounds for dimension 0 with size 0",  # B = 0
+    "Expected all tensors to have the same size in the mapped dimension",  # batch sizes differ
+    "got 2 tensors and 1 gradients",
+    "gradients can be either Tensors or None",
+    "`inputs` argument to `grad()` cannot be empty",
+    "does not require grad and does not have a grad_fn",  # an output
+    "One of the differentiated Tensors does not require grad",  # an input
+    "appears to not have been used in the graph",
+    "Expected allow_unused to be True or not passed when materialize_grads=True",
+    "modified by an inplace operation",
+    "Trying to backward through the graph a second time",
+    "expected device",
+)
+
+
+def test_corpus_covers_each_of_eagers_checks():
+    """Each check in EAGER_CHECKS is what eager raises, at run time, for a case of
+    REJECTED (test_rejected_like_eager compiles every case); every DYNAMO_REFUSES
+    entry names a case, so none of its expectations goes unused."""
+    messages = [str(_run(case.program, case)[1]) for case in REJECTED.values() if not case.needs_cuda]
+    missing = [check for check in EAGER_CHECKS if not any(check in m for m in messages)]
+    assert not missing, (missing, messages)
+    assert set(DYNAMO_REFUSES) <= set(REJECTED)
 
 
 def test_on_unsupported_error_raises_with_the_reason():

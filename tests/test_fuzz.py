@@ -366,8 +366,33 @@ def test_fuzz_batched_grads_match_the_loop_more_examples():
     _fuzz_and_report(SLOW_EXAMPLES)
 
 
-def test_op_table_is_large_enough():
-    assert len(UNARY) + len(BINARY) >= 40
+# Ops of the models users differentiate (MLPs, attention, normalisation, pair potentials,
+# message passing), by their aten name after tracing: the table must draw each.
+NEEDED_OPS = {
+    "mm", "_softmax", "_log_softmax", "native_layer_norm", "native_batch_norm",  # layers
+    "tanh", "sigmoid", "relu", "gelu", "silu", "exp", "pow", "sqrt", "div", "where",  # pointwise
+    "sum", "mean", "amax", "logsumexp", "var", "linalg_vector_norm", "cumsum",  # reductions
+    "index", "index_select", "gather", "masked_fill", "cat", "stack",  # indexing, gather-scatter
+    "t", "view", "expand", "select", "slice", "unsqueeze", "squeeze", "diagonal",  # views
+}
+
+
+def test_op_table_keeps_shapes_and_covers_the_ops_models_need():
+    """Every entry maps (R, C) tensors to an (R, C) tensor of their dtype (what programs()
+    relies on to chain them) over the fuzz's shapes, and the table's ops, traced, include
+    NEEDED_OPS.  test_each_op_alone runs each entry through dynbatch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = set()
+    for name, op in {**UNARY, **BINARY}.items():
+        arity = 1 if name in UNARY else 2
+        for (rows, cols), dtype in [((2, 2), torch.float32), ((4, 5), torch.float64)]:
+            out = op(*(torch.randn(rows, cols, dtype=dtype) for _ in range(arity)))
+            assert out.shape == (rows, cols) and out.dtype == dtype, (name, out.shape, out.dtype)
+        gm = make_fx(lambda *a, op=op: op(*a))(*(torch.randn(3, 4) for _ in range(arity)))
+        traced |= {n.target.overloadpacket.__name__ for n in gm.graph.nodes
+                   if isinstance(n.target, torch._ops.OpOverload)}
+    assert NEEDED_OPS <= traced, sorted(NEEDED_OPS - traced)
 
 
 # Failures found by the fuzzer, kept as explicit regression tests.
