@@ -471,12 +471,13 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a check of PyTorch, not of dynbatch: a fresh process and a cold Inductor compile
 @pytest.mark.xfail(torch.__version__ < "2.14", strict=True, reason=INDUCTOR_TILE2D_ATOMIC_ADD_BUG)
 def test_inductor_tile2d_atomic_add_bug_is_pytorchs():
     """The bug behind INDUCTOR_TILE2D_ATOMIC_ADD_BUG, without dynbatch and without grads:
     stock backend="inductor" with two threads disagrees with eager (or corrupts the heap,
     hence a subprocess).  Expected to fail before torch 2.14; if it passes there, the
-    fuzz's one-thread workaround can go."""
+    fuzz's one-thread workaround can go.  Run it with -m slow on a new torch."""
     result = subprocess.run([sys.executable, "-c", _TILE2D_REPRO], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
