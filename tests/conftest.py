@@ -14,11 +14,13 @@ import dynbatch
 # same AOTAutograd trace, no Inductor codegen (seconds per compile on 2 cores).
 # "error": a graph dynbatch cannot batch raises, so no test passes through a silent fallback.
 AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
-# For tests about Inductor's lowering or kernels (still "error").
+# For tests that need Inductor itself: its lowering, its kernels, failures of its own
+# (still "error").
 INDUCTOR = {"dynbatch.inner_compiler": "inductor"}
 # A graph dynbatch cannot batch runs eagerly: for tests about the fallback path, which
-# assert that it was taken (assert_fell_back), and for tests written before "error" was
-# the suite's default, which assert no fallback or none at all.
+# assert that it was taken (assert_fell_back), and for tests that compiled with dynbatch's
+# default "fallback" before conftest held the options (they assert no fallback, or nothing
+# about it).
 FALLBACK = {"dynbatch.on_unsupported": "fallback"}
 # What a plain torch.compile(fn, backend="dynbatch") gives a user: Inductor, and a
 # graph dynbatch cannot batch runs eagerly.
