@@ -7,12 +7,24 @@ import torch
 
 import dynbatch
 
+# The suite's options.  compile_dynbatch merges ``options`` over AOT_EAGER, so the
+# others are overlays: INDUCTOR, FALLBACK, both (DEFAULTS), plus a test's own keys.
+#
 # Cheap inner compiler for semantic tests: same capture and batching pass,
 # same AOTAutograd trace, no Inductor codegen (seconds per compile on 2 cores).
 # "error": a graph dynbatch cannot batch raises, so no test passes through a silent fallback.
 AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
-# For tests about the fallback path; they assert that it was taken (assert_fell_back).
+# For tests that need Inductor itself: its lowering, its kernels, failures of its own
+# (still "error").
+INDUCTOR = {"dynbatch.inner_compiler": "inductor"}
+# A graph dynbatch cannot batch runs eagerly: for tests about the fallback path, which
+# assert that it was taken (assert_fell_back), and for tests that compiled with dynbatch's
+# default "fallback" before conftest held the options (they assert no fallback, or nothing
+# about it).
 FALLBACK = {"dynbatch.on_unsupported": "fallback"}
+# What a plain torch.compile(fn, backend="dynbatch") gives a user: Inductor, and a
+# graph dynbatch cannot batch runs eagerly.
+DEFAULTS = {**INDUCTOR, **FALLBACK}
 
 
 # The key under which a pytest-xdist worker hands the controller its OpInfo outcomes
@@ -52,7 +64,9 @@ def fresh_dynamo():
 
 
 def compile_dynbatch(fn, *, options=None, fullgraph=True, **kwargs):
-    """The one compile helper of the suite: ``options`` are merged over ``AOT_EAGER``."""
+    """The one compile helper of the suite: ``options`` are merged over ``AOT_EAGER``
+    (e.g. ``options={**INDUCTOR, "dynbatch.chunk_size": 2}``); ``kwargs`` such as
+    ``dynamic=`` and ``mode=`` go to ``torch.compile`` unchanged."""
     return torch.compile(fn, backend="dynbatch", fullgraph=fullgraph, options={**AOT_EAGER, **(options or {})},
                          **kwargs)
 

@@ -4,7 +4,8 @@ Oracles, not numbers: every expected value here is computed at run time by
 eager PyTorch, either as a stacked loop of per-sample ``torch.autograd.grad``
 calls (``loop_grads``) or by eager ``is_grads_batched=True`` itself.
 
-Compiling: ``compile_dynbatch`` is conftest's (re-exported): the dynbatch
+Compiling, the oracle and the grad comparison are conftest's
+(``compile_dynbatch``, ``loop_grads``, ``assert_same_grads``): the dynbatch
 backend with ``aot_eager`` as the inner compiler (cheap for sweeps) and
 ``on_unsupported="error"``, so a test about the fallback path passes
 ``options=FALLBACK`` and asserts the fallback.  ``DynbatchCounter``
@@ -25,11 +26,7 @@ import torch._dynamo
 import torch._dynamo.utils
 
 import dynbatch
-# One reset, one oracle and one compile helper for every suite (re-exported under the
-# names these tests use).
-from conftest import AOT_EAGER, FALLBACK, assert_fell_back, compile_dynbatch  # noqa: F401
-from conftest import assert_same_grads as assert_grads_equal  # noqa: F401
-from conftest import loop_grads, reset_all  # noqa: F401
+from conftest import AOT_EAGER
 from dynbatch.backend import dynbatch_backend
 
 

@@ -37,15 +37,8 @@ import torch
 import dynbatch
 from dynbatch import shape_checks
 from dynbatch.options import Options
-from helpers_reliability import (
-    FALLBACK,
-    assert_fell_back,
-    assert_grads_equal,
-    assert_same_exception,
-    compile_dynbatch,
-    graph_breaks,
-    outcome,
-)
+from conftest import FALLBACK, assert_fell_back, assert_same_grads, compile_dynbatch
+from helpers_reliability import assert_same_exception, graph_breaks, outcome
 
 grad = torch.autograd.grad
 
@@ -247,7 +240,7 @@ def _assert_same_values(got: Any, want: Any, name: str) -> None:
         if isinstance(e, torch.Tensor):
             assert isinstance(a, torch.Tensor), f"{name}: leaf {i} is {type(a)}"
             assert a.dtype == e.dtype, f"{name}: leaf {i} dtype {a.dtype} vs eager {e.dtype}"
-            assert_grads_equal([a], [e], msg=f"{name} leaf {i}")
+            assert_same_grads([a], [e], msg=f"{name} leaf {i}")
         else:
             assert a == e, f"{name}: leaf {i}: {a!r} vs eager {e!r}"
 
@@ -305,9 +298,38 @@ def test_accepted_like_eager(name, fullgraph):
     assert graph_breaks() == 0
 
 
-def test_corpus_size():
-    """The issue asks for at least 18 rejected cases."""
-    assert len(REJECTED) >= 18
+# A fragment of the message of each of eager's checks of grad()'s arguments that a user
+# can trip, from torch.autograd (_make_grads, grad, vmap) and the engine.
+EAGER_CHECKS = (
+    "If `is_grads_batched=True`, we interpret the first dimension",  # batched shape
+    "Mismatch in shape",  # unbatched shape
+    "For complex Tensors, both grad_output and output are required to have the same dtype",
+    "grad can be implicitly created only for scalar outputs",
+    "grad can be implicitly created only for real scalar outputs",
+    "invalid index of a 0-dim tensor",  # a 0-dim batched grad_output
+    "index 0 is out of bounds for dimension 0 with size 0",  # B = 0
+    "Expected all tensors to have the same size in the mapped dimension",  # batch sizes differ
+    "got 2 tensors and 1 gradients",
+    "gradients can be either Tensors or None",
+    "`inputs` argument to `grad()` cannot be empty",
+    "does not require grad and does not have a grad_fn",  # an output
+    "One of the differentiated Tensors does not require grad",  # an input
+    "appears to not have been used in the graph",
+    "Expected allow_unused to be True or not passed when materialize_grads=True",
+    "modified by an inplace operation",
+    "Trying to backward through the graph a second time",
+    "expected device",
+)
+
+
+def test_corpus_covers_each_of_eagers_checks():
+    """Each check in EAGER_CHECKS is what eager raises, at run time, for a case of
+    REJECTED (test_rejected_like_eager compiles every case); every DYNAMO_REFUSES
+    entry names a case, so none of its expectations goes unused."""
+    messages = [str(_run(case.program, case)[1]) for case in REJECTED.values() if not case.needs_cuda]
+    missing = [check for check in EAGER_CHECKS if not any(check in m for m in messages)]
+    assert not missing, (missing, messages)
+    assert set(DYNAMO_REFUSES) <= set(REJECTED)
 
 
 def test_on_unsupported_error_raises_with_the_reason():
@@ -330,7 +352,7 @@ def test_good_call_after_bad_call_compiles_and_batches(caplog):
             compiled(*REJECTED["batched_shape_mismatch"].make_args(_g()))
     assert_fell_back(caplog)
     x, V = _x(_g(1), 3, 4), _randn(_g(2), 2, 3, 4)
-    assert_grads_equal(compiled(x, V), p_batched(x, V))
+    assert_same_grads(compiled(x, V), p_batched(x, V))
     c = dynbatch.counters()  # the good shapes compile a second graph, batched
     assert c["graphs"] == 2 and c["graphs_batched"] == 1 and c["fallbacks"] == 1, c
 
@@ -386,6 +408,7 @@ def test_unknown_dynbatch_option_lists_known_ones():
 
 
 def test_unknown_option_at_compile_time_raises():
+    # The user's torch.compile(options=...), not compile_dynbatch: the options as given reach dynbatch.
     compiled = torch.compile(p_batched, backend="dynbatch", options={"dynbatch.nope": 1})
     with pytest.raises(Exception, match="known dynbatch options"):
         compiled(torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4))
@@ -408,6 +431,7 @@ def test_mode_and_options_reach_inductor(monkeypatch):
 
     monkeypatch.setattr(_compat, "compile_fx", spy)
     x, V = torch.randn(3, 4, requires_grad=True), torch.randn(2, 3, 4)
+    # The user's torch.compile(mode=, options=), not compile_dynbatch: nothing but these reaches Inductor.
     torch.compile(p_batched, backend="dynbatch", options={"epilogue_fusion": False})(x, V)
     assert seen[-1]["epilogue_fusion"] is False
     torch._dynamo.reset()

@@ -6,7 +6,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import dynbatch
-from conftest import assert_backend_ran, assert_same_grads
+from conftest import DEFAULTS, assert_backend_ran, assert_same_grads, compile_dynbatch
 
 W = torch.randn(16, 16) / 4
 
@@ -16,7 +16,7 @@ def vjp(x, V):
 
 
 def test_cpu_backward_is_fused_cpp():
-    compiled = torch.compile(vjp, backend="dynbatch", fullgraph=True)
+    compiled = compile_dynbatch(vjp, options=DEFAULTS)
     x, V = torch.randn(4, 16, requires_grad=True), torch.randn(6, 4, 16)
     result, code = run_and_get_code(compiled, x, V)
     assert_same_grads(result, vjp(x, V))

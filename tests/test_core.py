@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dynbatch
-from conftest import AOT_EAGER, assert_backend_ran, assert_same_grads, compile_dynbatch, loop_grads
+from conftest import DEFAULTS, assert_backend_ran, assert_same_grads, compile_dynbatch, loop_grads
 
 torch.manual_seed(0)
 W1, W2 = torch.randn(6, 6) / 3, torch.randn(6, 6) / 3
@@ -198,7 +198,7 @@ def test_result_under_inductor():
         return torch.autograd.grad(mlp(x), x, V, is_grads_batched=True)
 
     x, V = leaf(torch.randn(4, 6)), torch.randn(5, 4, 6)
-    got = torch.compile(f, backend="dynbatch", fullgraph=True)(x, V)
+    got = compile_dynbatch(f, options=DEFAULTS)(x, V)
     assert_same_grads(got, f(x, V))
     assert_backend_ran(graphs=1, batched=1)
     record = dynbatch.compile_records()[-1]

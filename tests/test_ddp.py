@@ -53,6 +53,7 @@ WORKER = textwrap.dedent('''
         g = torch.Generator().manual_seed(rank)
         eager = DDP(Potential())
         compiled_module = Potential()
+        # torch.compile, not conftest's compile_dynbatch: this runs as a script of its own.
         compiled = DDP(torch.compile(compiled_module, backend="dynbatch",
                                      options={"dynbatch.inner_compiler": "aot_eager",
                                               "dynbatch.on_unsupported": "error"}))

@@ -42,10 +42,6 @@ CASES = {
 }
 
 
-def _compile(fn, fullgraph):
-    return compile_dynbatch(fn, fullgraph=fullgraph)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_graph_break_gives_eagers_result(case):
     fn, make_args = CASES[case]
@@ -54,9 +50,9 @@ def test_graph_break_gives_eagers_result(case):
         expected = fn(*args)
     except Exception as e:  # where eager refuses, the compiled call raises the same type
         with pytest.raises(type(e)):
-            _compile(fn, fullgraph=False)(*args)
+            compile_dynbatch(fn, fullgraph=False)(*args)
     else:
-        got = _compile(fn, fullgraph=False)(*args)
+        got = compile_dynbatch(fn, fullgraph=False)(*args)
         for a, b in zip(_as_tuple(got), _as_tuple(expected), strict=True):  # same number of results too
             if isinstance(a, tuple):
                 assert_same_grads(a, b)
@@ -75,4 +71,4 @@ def _as_tuple(r):
 def test_fullgraph_raises_dynamos_error(case):
     fn, make_args = CASES[case]
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        _compile(fn, fullgraph=True)(*make_args())
+        compile_dynbatch(fn, fullgraph=True)(*make_args())

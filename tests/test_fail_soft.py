@@ -3,6 +3,9 @@
 Each test breaks one hook the way a new torch release could, and checks that
 the feature turns off with one warning naming it while compiles go on with
 eager's values: never a crash of every compile, never a wrong gradient.
+The hooks are Dynamo's and the batching pass's, so the compiles take
+``aot_eager`` (FALLBACK: a graph dynbatch cannot batch runs eagerly, as for
+a user); Inductor would add its compile time and nothing these tests check.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 import dynbatch
-from conftest import assert_same_grads
+from conftest import FALLBACK, assert_same_grads, compile_dynbatch
 from dynbatch import _compat, batch_rules, capture, fail_soft, lowering, requires_grad_tracing
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
@@ -61,7 +64,7 @@ def test_a_refactored_compile_entry_point_turns_capture_off():
             capture.install()
         assert any("capture" in m and "compiler_fn" in m for m in _hook_warnings(seen)), _hook_warnings(seen)
         x, V = args()
-        assert_same_grads(torch.compile(vjp, backend="dynbatch")(x, V), vjp(x, V))
+        assert_same_grads(compile_dynbatch(vjp, options=FALLBACK, fullgraph=False)(x, V), vjp(x, V))
         assert not dynbatch.counters().get("grads_batched"), dynbatch.counters()  # stock Dynamo: eager grad
     finally:
         convert_frame._compile = stock
@@ -81,9 +84,9 @@ def test_a_capture_piece_that_cannot_enter_is_off_and_the_rest_works(monkeypatch
     x = torch.randn(3, 6)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert_same_grads(torch.compile(jac, backend="dynbatch")(x), jac(x))
+        assert_same_grads(compile_dynbatch(jac, options=FALLBACK, fullgraph=False)(x), jac(x))
         xv, V = args()
-        assert_same_grads(torch.compile(vjp, backend="dynbatch", fullgraph=True)(xv, V), vjp(xv, V))
+        assert_same_grads(compile_dynbatch(vjp, options=FALLBACK)(xv, V), vjp(xv, V))
     messages = _hook_warnings(seen)
     assert sum("tracing into torch.autograd.functional" in m for m in messages) == 1, messages
     assert dynbatch.counters()["grads_batched"] >= 1  # plain is_grads_batched code still batched
@@ -104,7 +107,7 @@ def test_a_moved_requires_grad_hook_leaves_dynamos_graph_break(monkeypatch):
     w, pos = torch.randn(3, 3, requires_grad=True), torch.randn(4, 3)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = torch.compile(forces, backend="dynbatch")(w, pos.clone())
+        got = compile_dynbatch(forces, options=FALLBACK, fullgraph=False)(w, pos.clone())
     want = forces(w, pos.clone())
     assert_same_grads(got, want)
     assert_same_grads(torch.autograd.grad(got[1].sum(), w), torch.autograd.grad(want[1].sum(), w))
@@ -122,7 +125,7 @@ def test_a_batching_rule_for_an_op_this_torch_lacks_keeps_functorchs(monkeypatch
         warnings.simplefilter("always")
         for B in (3, 5, 8):
             x, V = args(B)
-            assert_same_grads(torch.compile(vjp, backend="dynbatch", fullgraph=True)(x, V), vjp(x, V))
+            assert_same_grads(compile_dynbatch(vjp, options=FALLBACK)(x, V), vjp(x, V))
     messages = _hook_warnings(seen)
     assert sum("aten::not_an_op_in_this_torch" in m for m in messages) == 1, messages
     c = dynbatch.counters()
@@ -134,7 +137,7 @@ def test_an_untested_torch_warns_once_at_first_compile(monkeypatch):
     x, V = args()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        compiled = torch.compile(vjp, backend="dynbatch", fullgraph=True)
+        compiled = compile_dynbatch(vjp, options=FALLBACK)
         assert not _hook_warnings(seen)  # nothing before the first compile
         compiled(x, V)
         compiled(*args(5))
@@ -149,7 +152,7 @@ def test_on_unsupported_error_raises_unsupported_graph_for_a_lowering_failure(mo
     monkeypatch.setattr(lowering, "lower", broken)
     x, V = args()
     with pytest.raises(Exception) as raised:
-        torch.compile(vjp, backend="dynbatch", options={"dynbatch.on_unsupported": "error"})(x, V)
+        compile_dynbatch(vjp, fullgraph=False)(x, V)  # AOT_EAGER: on_unsupported="error"
     chain, e = [], raised.value
     while e is not None:
         chain.append(e)
@@ -158,7 +161,8 @@ def test_on_unsupported_error_raises_unsupported_graph_for_a_lowering_failure(mo
     assert ours and "lowering the batched graph failed: RuntimeError: an Inductor internal moved" in str(ours[0])
     torch._dynamo.reset()
     dynbatch.reset()
-    assert_same_grads(torch.compile(vjp, backend="dynbatch")(x, V), vjp(x, V))  # "fallback": eager's values
+    # the same failure under "fallback" gives eager's values
+    assert_same_grads(compile_dynbatch(vjp, options=FALLBACK, fullgraph=False)(x, V), vjp(x, V))
     assert dynbatch.counters()["fallbacks"] == 1
 
 
@@ -179,7 +183,6 @@ def test_a_failing_fake_cuda_guard_workaround_is_off_and_compiles_work(monkeypat
     assert any("CUDA guard" in m for m in _hook_warnings(seen)), _hook_warnings(seen)
     monkeypatch.undo()  # the real torch again for the compile
     x, V = args()
-    got = torch.compile(vjp, backend="dynbatch", fullgraph=True,
-                        options={"dynbatch.inner_compiler": "aot_eager"})(x, V)
+    got = compile_dynbatch(vjp, options=FALLBACK)(x, V)
     assert_same_grads(got, torch.autograd.grad(torch.tanh(x @ W), x, V, is_grads_batched=True))
     assert dynbatch.counters()["graphs_batched"] == 1

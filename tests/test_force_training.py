@@ -17,10 +17,9 @@ import pytest
 import torch
 
 import dynbatch
-from conftest import AOT_EAGER, assert_same_grads, compile_dynbatch
+from conftest import AOT_EAGER, INDUCTOR, assert_same_grads, compile_dynbatch
 
 grad = torch.autograd.grad
-INDUCTOR = {"dynbatch.inner_compiler": "inductor"}
 
 
 class PairPotential(torch.nn.Module):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import dynbatch
@@ -39,6 +42,9 @@ def grad_program(x):
     return torch.autograd.grad(x.sin().sum(), x)[0]
 
 
+# The next two tests call torch.compile(backend="dynbatch") as a user does, not conftest's
+# compile_dynbatch: they are about the name's registration and Dynamo's state around it.
+
 def test_other_backends_still_see_stock_dynamo():
     # A dynbatch compile first, so its scope has been entered and left.
     torch.compile(grad_program, backend="dynbatch", options={"dynbatch.inner_compiler": "aot_eager"})(torch.randn(3, requires_grad=True))
@@ -58,7 +64,15 @@ def test_capture_hook_survives_dynamo_reset():
 
 
 def test_version_is_supported():
-    assert _compat.torch_is_supported(), torch.__version__
+    """Below the minimum (pyproject.toml's, _compat's) fail.  A torch newer than the tested
+    range is allowed on purpose (no upper bound; dynbatch warns at the first compile,
+    test_fail_soft): skip with the reason rather than fail."""
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'"torch>=([0-9.]+)"', pyproject).group(1) == _compat.MIN_TORCH
+    assert _compat.TORCH_VERSION >= _compat.MIN_TORCH, f"torch {_compat.TORCH_VERSION} is below {_compat.MIN_TORCH}"
+    if not _compat.torch_is_supported():
+        pytest.skip(reason=f"torch {_compat.TORCH_VERSION} is untested (tested: {_compat.MIN_TORCH} up to, not "
+                           f"including, {_compat.MAX_TORCH}); supported, with a warning at the first compile")
 
 
 def test_register_after_the_entry_point_loaded_is_a_no_op():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import dynbatch
 from dynbatch import batch_rules
 from dynbatch.passes import sink_expands
-from conftest import assert_same_grads, loop_grads
+from conftest import DEFAULTS, FALLBACK, assert_same_grads, compile_dynbatch, loop_grads
 
 aten = torch.ops.aten
 
@@ -87,8 +87,7 @@ def test_sliced_hessian_keeps_batch_size_symbolic():
         (g,) = torch.autograd.grad(loss, theta, create_graph=True)
         return torch.autograd.grad(g, theta, V, is_grads_batched=True)
 
-    compiled = torch.compile(hvp_rows, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = compile_dynbatch(hvp_rows, options=FALLBACK)
     theta = torch.randn(10, requires_grad=True)
     for K in (2, 3, 5, 8, 13):
         V = torch.randn(K, 10)
@@ -119,8 +118,7 @@ def test_mm_with_only_the_right_operand_batched_is_one_bmm_without_copies():
         y = a @ torch.tanh(x @ w)  # grad of x: a.T @ g (right batched); of w: x.T @ g'
         return torch.autograd.grad(y, (x, w), V, is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"})
+    compiled = compile_dynbatch(f)
     x, w = torch.randn(6, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
     for B in (2, 3, 7):
         V = torch.randn(B, 6, 5)
@@ -171,8 +169,7 @@ def test_backward_keeps_batch_size_symbolic(layer):
         y = fn(x)
         return torch.autograd.grad(y, x, V.reshape(V.shape[0], *y.shape), is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = compile_dynbatch(f, options=FALLBACK)
     x = torch.randn(shape, requires_grad=True)
     n_out = fn(x).numel()
     with warnings.catch_warnings():
@@ -197,8 +194,7 @@ def test_double_backward_through_rules_matches_eager(layer):
         (g,) = torch.autograd.grad(y, x, V.reshape(V.shape[0], *y.shape), create_graph=True, is_grads_batched=True)
         return torch.autograd.grad((g * g).sum(), x)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = compile_dynbatch(f, options=FALLBACK)
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     V = torch.randn(3, fn(x).numel(), dtype=torch.float64)
     assert_same_grads(compiled(x, V), f(x, V))
@@ -261,8 +257,7 @@ def test_cdist_backward_matches_the_loop(p, shapes):
     def f(x1, x2, V):
         return torch.autograd.grad(torch.cdist(x1, x2, p=p), (x1, x2), V, is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = compile_dynbatch(f, options=FALLBACK)
     V = torch.randn(3, *torch.cdist(x1, x2).shape, dtype=torch.float64)
     assert_same_grads(compiled(x1, x2, V), loop_grads(torch.cdist(x1, x2, p=p), [x1, x2], [V]))
     assert dynbatch.counters()["grads_batched"] == 1 and dynbatch.counters().get("fallbacks", 0) == 0
@@ -276,16 +271,11 @@ def test_roll_backward_matches_the_loop(shape, shifts, dims):
     def f(x, V):
         return torch.autograd.grad(torch.roll(x, shifts, dims), x, V, is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.inner_compiler": "aot_eager"})
+    compiled = compile_dynbatch(f, options=FALLBACK)
     x = torch.randn(shape, requires_grad=True)
     V = torch.randn(3, *shape)
     assert_same_grads(compiled(x, V), loop_grads(torch.roll(x, shifts, dims), [x], [V]))
     assert dynbatch.counters()["grads_batched"] == 1
-
-
-def _compile_aot_eager(f):
-    return torch.compile(f, backend="dynbatch", fullgraph=True, options={"dynbatch.inner_compiler": "aot_eager"})
 
 
 def _check_batch_sweep(compiled, primals, target, batch_sizes=(2, 3, 5)):
@@ -344,7 +334,7 @@ def test_convolution_rules_match_the_loop_with_one_graph_for_every_B(config, ord
         y = layer(*ps) if len(ps) == 3 else layer(ps[0], ps[1], None)
         return torch.autograd.grad((y * y).sum(), ps[1], create_graph=True)[0] if order == "second" else y
 
-    _check_batch_sweep(_compile_aot_eager(f), primals, target)
+    _check_batch_sweep(compile_dynbatch(f, options=FALLBACK), primals, target)
     assert dynbatch.counters().get("fallbacks", 0) == 0
 
 
@@ -358,7 +348,7 @@ def test_convolution_weight_grad_keeps_batch_size_symbolic_through_inductor():
     def f(x, w, b, V):
         return torch.autograd.grad(layer(x, w, b), (x, w, b), V, is_grads_batched=True)
 
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True)
+    compiled = compile_dynbatch(f, options=DEFAULTS)
     from torch._inductor import lowering as inductor
 
     lowering_before = dict(inductor.lowerings)
@@ -404,7 +394,7 @@ def test_norm_backward_rules_match_the_loop_with_one_graph_for_every_B(name):
     def f(x, w, b, V):
         return torch.autograd.grad(layer(x, w, b), (x, w, b), V, is_grads_batched=True)
 
-    compiled = _compile_aot_eager(f)
+    compiled = compile_dynbatch(f, options=FALLBACK)
     _check_batch_sweep(compiled, primals, layer)
     y = layer(*primals)
     # stride 0 along B (a new layout, so Dynamo compiles again); with one sample
@@ -432,7 +422,7 @@ def test_norm_weight_grads_under_create_graph_differentiate_like_the_loop(name):
         return torch.autograd.grad(sum((g * g.sin()).sum() for g in gs), (x, w, b),
                                    allow_unused=True, materialize_grads=True)
 
-    compiled = _compile_aot_eager(f)
+    compiled = compile_dynbatch(f, options=FALLBACK)
     y = layer(*primals)
     V = torch.randn(4, *y.shape, dtype=y.dtype)
     expected = second(loop_grads(y, primals, [V], create_graph=True))
@@ -452,7 +442,7 @@ def test_batch_norm_with_a_strided_weight_gets_the_true_gradient():
         return torch.autograd.grad(F.batch_norm(x, None, None, weight, None, training=True), x, V,
                                    is_grads_batched=True)
 
-    compiled = _compile_aot_eager(f)
+    compiled = compile_dynbatch(f, options=FALLBACK)
     V = torch.randn(3, 4, 2, dtype=torch.float64)
     dense = F.batch_norm(x, None, None, weight.contiguous(), None, training=True)
     assert_same_grads(compiled(x, V), loop_grads(dense, [x], [V]))
@@ -540,7 +530,7 @@ def test_cpu_attention_backward_rule_matches_the_loop_with_one_graph_for_every_B
     def f(q, k, v, V):
         return torch.autograd.grad(layer(q, k, v), (q, k, v), V, is_grads_batched=True)
 
-    _check_batch_sweep(_compile_aot_eager(f), primals, layer)
+    _check_batch_sweep(compile_dynbatch(f, options=FALLBACK), primals, layer)
     assert dynbatch.counters().get("fallbacks", 0) == 0
 
 

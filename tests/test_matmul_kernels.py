@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 import dynbatch
 from dynbatch import matmul_kernels
 from dynbatch.passes import route_matmuls
-from conftest import assert_same_grads, loop_grads
+from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
 
 aten = torch.ops.aten
 needs_onednn = pytest.mark.skipif(not matmul_kernels.onednn_available(), reason="torch built without oneDNN")
@@ -178,8 +178,7 @@ def test_compiled_batched_grads_match_the_loop(kernel, dtype, kernel_calls):
         y = f(x)
         return torch.autograd.grad(y, x, V, is_grads_batched=True)
 
-    compiled = torch.compile(vjps, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.cpu_matmul": kernel, "dynbatch.on_unsupported": "error"})
+    compiled = compile_dynbatch(vjps, options={**INDUCTOR, "dynbatch.cpu_matmul": kernel})
     x = torch.randn(8, 16, dtype=dtype, requires_grad=True)
     tall = -(-matmul_kernels.MIN_ROWS // 8) + 3  # B*8 rows >= MIN_ROWS: "auto" measures
     for B in (1, 2, 3, tall):
@@ -196,8 +195,7 @@ def test_compiled_batched_grads_match_the_loop(kernel, dtype, kernel_calls):
 def test_model_compiled_alone_differentiated_outside(kernel_calls):
     """The region's forward and its batched backward from outside both take the routed kernel."""
     f = _mlp(16, 2, torch.float32)
-    compiled = torch.compile(f, backend="dynbatch", fullgraph=True,
-                             options={"dynbatch.cpu_matmul": "onednn", "dynbatch.on_unsupported": "error"})
+    compiled = compile_dynbatch(f, options={**INDUCTOR, "dynbatch.cpu_matmul": "onednn"})
     x = torch.randn(8, 16, requires_grad=True)
     y = compiled(x)
     forward_calls = kernel_calls["onednn"]
@@ -220,7 +218,7 @@ def test_generated_code_calls_the_kernel_directly_not_through_the_dispatcher():
     def vjps(x, V):
         return torch.autograd.grad(f(x), x, V, is_grads_batched=True)
 
-    compiled = torch.compile(vjps, backend="dynbatch", fullgraph=True, options={"dynbatch.cpu_matmul": "onednn"})
+    compiled = compile_dynbatch(vjps, options={**DEFAULTS, "dynbatch.cpu_matmul": "onednn"})
     x, V = torch.randn(8, 16, requires_grad=True), torch.randn(3, 8, 16)
     out, code = run_and_get_code(compiled, x, V)
     assert_same_grads(out, loop_grads(f(x), x, V))
@@ -240,8 +238,8 @@ def test_cpp_wrapper_keeps_products_on_aten_instead_of_falling_back():
     def vjps(x, V):
         return torch.autograd.grad(f(x), x, V, is_grads_batched=True)
 
-    compiled = torch.compile(vjps, backend="dynbatch", fullgraph=True, dynamic=True,  # M = B*8 symbolic: routable
-                             options={"cpp_wrapper": True, "dynbatch.on_unsupported": "error"})
+    compiled = compile_dynbatch(vjps, dynamic=True,  # M = B*8 symbolic: routable
+                                options={**INDUCTOR, "cpp_wrapper": True})
     x, V = torch.randn(8, 16, requires_grad=True), torch.randn(3, 8, 16)
     out, code = run_and_get_code(compiled, x, V)
     assert_same_grads(out, loop_grads(f(x), x, V))

@@ -26,14 +26,9 @@ import dynbatch
 from dynbatch import memory
 from dynbatch.bench.measure import _profiled_peak
 from dynbatch.options import Options, parse_memory_budget
-from conftest import assert_same_grads, loop_grads
+from conftest import DEFAULTS, assert_same_grads, compile_dynbatch, loop_grads
 
-AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
 grad = torch.autograd.grad
-
-
-def compiled(fn, **options):
-    return torch.compile(fn, backend="dynbatch", fullgraph=True, options={**AOT_EAGER, **options})
 
 
 def plans():
@@ -113,7 +108,7 @@ def test_auto_budget_chunks_a_cpu_backward_above_the_cpu_cap(monkeypatch):
     monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 2**20)
     pos = lattice(40)
     V = torch.eye(120).view(120, 40, 3)
-    f = compiled(hessian_rows)  # memory_budget "auto", the default
+    f = compile_dynbatch(hessian_rows)  # memory_budget "auto", the default
     assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
     (plan,) = plans()
     assert plan.applied and plan.chunks > 1, plan
@@ -137,7 +132,7 @@ def test_a_budget_above_the_cpu_cap_runs_the_defaults_plan(monkeypatch):
     pos = lattice(40)
     V = torch.eye(120).view(120, 40, 3)
     for budget in ("auto", "256MiB"):
-        assert_same_grads(compiled(hessian_rows, **{"dynbatch.memory_budget": budget})(pos, V),
+        assert_same_grads(compile_dynbatch(hessian_rows, options={"dynbatch.memory_budget": budget})(pos, V),
                           eager_rows(pos, V), atol=1e-4, rtol=1e-4, msg=budget)
     default, large = plans()
     assert default.applied and large.applied
@@ -174,7 +169,7 @@ def test_auto_budget_leaves_a_cpu_backward_unchunked_where_malloc_keeps_freed_me
     monkeypatch.setenv("GLIBC_TUNABLES", KEEP_MEMORY)
     pos = lattice(40)
     V = torch.eye(120).view(120, 40, 3)
-    f = compiled(hessian_rows)
+    f = compile_dynbatch(hessian_rows)
     assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
     (plan,) = plans()
     assert not plan.applied and plan.chunk_size is None, plan
@@ -226,7 +221,7 @@ def test_estimate_follows_the_other_sizes_of_each_call():
 @pytest.mark.parametrize("batches", [(13, 3, 30, 7), (2, 5)])
 def test_fixed_chunks_equal_the_eager_loop_over_a_batch_sweep(batches):
     x = torch.randn(4, 16)
-    f = compiled(jacobian, **{"dynbatch.chunk_size": 4})
+    f = compile_dynbatch(jacobian, options={"dynbatch.chunk_size": 4})
     for b in batches:  # ragged last chunks (13 = 4+3+3+3), B below the chunk (3, 2)
         V = torch.randn(b, 4, 16)
         assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
@@ -238,7 +233,7 @@ def test_fixed_chunks_equal_the_eager_loop_over_a_batch_sweep(batches):
 
 def test_batch_of_one_and_budget_below_one_sample():
     x = torch.randn(4, 16)
-    f = compiled(jacobian, **{"dynbatch.memory_budget": 1})
+    f = compile_dynbatch(jacobian, options={"dynbatch.memory_budget": 1})
     for b in (1, 5):
         V = torch.randn(b, 4, 16)
         assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
@@ -249,7 +244,7 @@ def test_batch_of_one_and_budget_below_one_sample():
 def test_hessian_rows_within_a_budget_equal_eager_and_the_plan_is_logged(caplog):
     pos = lattice(10)
     V = torch.eye(30).view(30, 10, 3)
-    f = compiled(hessian_rows, **{"dynbatch.memory_budget": "20KB"})
+    f = compile_dynbatch(hessian_rows, options={"dynbatch.memory_budget": "20KB"})
     with caplog.at_level(logging.INFO, logger="dynbatch"):
         out = f(pos, V)
     assert_same_grads(out, eager_rows(pos, V))
@@ -265,7 +260,7 @@ def test_functional_hessian_within_a_budget():
         return AF.hessian(lj_energy, pos, vectorize=True)
 
     pos = lattice(6)
-    out = compiled(hess, **{"dynbatch.memory_budget": "4KB"})(pos)
+    out = compile_dynbatch(hess, options={"dynbatch.memory_budget": "4KB"})(pos)
     assert_same_grads(out, AF.hessian(lj_energy, pos))
     assert any(p.applied for p in plans())
 
@@ -275,7 +270,7 @@ def test_a_graph_that_fits_keeps_the_grad_and_recompiles_chunked_when_b_grows(bu
     """NOTE [Why a B sweep across the budget compiles three graphs]."""
     monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 20_000)  # "auto" on the CPU: the cap
     x = torch.randn(4, 16)
-    f = compiled(jacobian, **{"dynbatch.memory_budget": budget})
+    f = compile_dynbatch(jacobian, options={"dynbatch.memory_budget": budget})
     for b in (4, 6, 300, 5):
         V = torch.randn(b, 4, 16)
         assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
@@ -294,15 +289,15 @@ def test_several_grads_and_a_user_loop_over_chunks():
         rows = [grad(g, pos, v, retain_graph=True, is_grads_batched=True)[0] for v in V.split(10)]
         return torch.cat(rows)
 
-    out = compiled(loop, **{"dynbatch.memory_budget": "8KB"})(pos, V)
+    out = compile_dynbatch(loop, options={"dynbatch.memory_budget": "8KB"})(pos, V)
     assert_same_grads(out, eager_rows(pos, V))
     assert len(plans()) == 3 and all(p.applied for p in plans())
 
 
 def test_grads_outside_the_region_within_a_budget():
     x = torch.randn(4, 16, requires_grad=True)
-    f = torch.compile(lambda x: torch.tanh(torch.tanh(x @ W) @ W), backend="dynbatch",
-                      options={**AOT_EAGER, "dynbatch.memory_budget": 2000})
+    f = compile_dynbatch(lambda x: torch.tanh(torch.tanh(x @ W) @ W), options={"dynbatch.memory_budget": 2000},
+                         fullgraph=False)
     V = torch.randn(12, 4, 16)
     out = grad(f(x), x, V, is_grads_batched=True)[0]
     assert_same_grads(out, loop_grads(torch.tanh(torch.tanh(x @ W) @ W), x, V)[0])
@@ -321,7 +316,7 @@ def test_create_graph_batched_grad_runs_unchunked_and_stays_differentiable():
     x, V = torch.randn(4, 16), torch.randn(6, 4, 16)
     xe = x.clone().requires_grad_()
     (je,) = grad(torch.tanh(xe @ W), xe, V, is_grads_batched=True, create_graph=True)
-    assert_same_grads(compiled(f, **{"dynbatch.chunk_size": 2})(x, V), grad(je.pow(2).sum(), xe)[0])
+    assert_same_grads(compile_dynbatch(f, options={"dynbatch.chunk_size": 2})(x, V), grad(je.pow(2).sum(), xe)[0])
     assert not any(p.applied for p in plans())
 
 
@@ -333,7 +328,7 @@ def test_random_ops_before_the_grad_are_not_rerun_per_chunk():
 
     torch.manual_seed(0)
     x, V = torch.randn(4, 16), torch.randn(9, 4, 16)
-    out = compiled(f, **{"dynbatch.chunk_size": 2})(x, V)
+    out = compile_dynbatch(f, options={"dynbatch.chunk_size": 2})(x, V)
     assert out.shape == (9, 4, 16)
     (plan,) = plans()
     assert not plan.applied and "random" in plan.reason
@@ -352,7 +347,7 @@ def test_inner_grad_upstream_of_the_inputs_is_refused():
     xe = xe0 * 2
     (ge,) = grad(torch.tanh(xe @ W).sum(), xe0, create_graph=True)
     expected = loop_grads(ge * xe, xe, V)[0]
-    assert_same_grads(compiled(f, **{"dynbatch.chunk_size": 2})(x0, V), expected)
+    assert_same_grads(compile_dynbatch(f, options={"dynbatch.chunk_size": 2})(x0, V), expected)
     (plan,) = plans()
     assert not plan.applied and "upstream" in plan.reason
 
@@ -368,10 +363,8 @@ def test_budgeted_inductor_call_peaks_within_the_budget():
     pos = lattice(60)
     V = torch.eye(180).view(180, 60, 3)
     budget = 2 * 2**20
-    f = torch.compile(hessian_rows, backend="dynbatch", fullgraph=True,
-                      options={"dynbatch.memory_budget": budget})
-    g = torch.compile(hessian_rows, backend="dynbatch", fullgraph=True,
-                      options={"dynbatch.memory_budget": None})
+    f = compile_dynbatch(hessian_rows, options={**DEFAULTS, "dynbatch.memory_budget": budget})
+    g = compile_dynbatch(hessian_rows, options={**DEFAULTS, "dynbatch.memory_budget": None})
     budgeted, unbudgeted = _peak(f, pos, V), _peak(g, pos, V)
     assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
     output = 180 * 60 * 3 * 4
@@ -392,11 +385,11 @@ def test_user_loop_of_batched_grads_peaks_at_one_grad_not_all(monkeypatch):
         g = grad(lj_energy(pos), pos, create_graph=True)[0]
         return torch.cat([grad(g, pos, v, retain_graph=True, is_grads_batched=True)[0] for v in V.split(rows)])
 
-    looped = torch.compile(loop, backend="dynbatch", fullgraph=True)  # the default budget
+    looped = compile_dynbatch(loop, options=DEFAULTS)  # the default budget
     loop_peak = _peak(looped, pos, V)
     loop_plan = plans()
     assert len(loop_plan) == 6 and all(p.applied and p.chunks == 1 for p in loop_plan)
-    single = torch.compile(hessian_rows, backend="dynbatch", fullgraph=True)
+    single = compile_dynbatch(hessian_rows, options=DEFAULTS)
     one_peak = _peak(single, pos, V[:rows])
     # Inductor reassociates the fp32 pair sums; the r^-14 terms make entries large.
     assert_same_grads(looped(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
@@ -411,7 +404,7 @@ def test_a_plan_that_cannot_be_made_costs_neither_the_compile_nor_the_markers(mo
     monkeypatch.setattr(memory, "_estimate", broken)
     x, V = torch.randn(4, 16), torch.randn(6, 4, 16)
     with caplog.at_level(logging.WARNING, logger="dynbatch"):
-        out = compiled(jacobian, **{"dynbatch.memory_budget": 1})(x, V)
+        out = compile_dynbatch(jacobian, options={"dynbatch.memory_budget": 1})(x, V)
     assert_same_grads(out, eager_jacobian(x, V))
     assert "no memory plan" in caplog.text and not plans()
     assert "batch_marker" not in dynbatch.compile_records()[-1].aten_graphs[0]

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import dynbatch
-from helpers_reliability import assert_grads_equal, compile_dynbatch, loop_grads
+from conftest import assert_same_grads, compile_dynbatch, loop_grads
 
 W = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)) / 4
 
@@ -67,7 +67,7 @@ def test_thousand_calls_do_not_grow_memory():
         end_rss = _rss_bytes()
     finally:
         tracemalloc.stop()
-    assert_grads_equal(compiled(x, V), expected)
+    assert_same_grads(compiled(x, V), expected)
     growth_py, growth_rss = end_py - base_py, end_rss - base_rss
     print(f"\ndynbatch memory: 990 calls after warm-up: python {growth_py / 1024:.1f} KiB "
           f"(halfway {(mid_py - base_py) / 1024:.1f} KiB), rss {growth_rss / 2**20:.2f} MiB")
@@ -202,7 +202,7 @@ def test_four_threads_get_correct_grads(warm):
     assert all(len(r) == 25 for r in results.values())
     for k, runs in results.items():
         for x, V, got in runs:
-            assert_grads_equal(got, _expected(x, V), msg=f"thread {k}")
+            assert_same_grads(got, _expected(x, V), msg=f"thread {k}")
     c = dynbatch.counters()
     assert not c.get("fallbacks"), c
     # Compiled first: B=5 and B=6 share the dynamic=True graph.  Racing: Dynamo

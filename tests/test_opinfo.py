@@ -68,16 +68,8 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import dynbatch
-from conftest import OPINFO_WORKER_OUTPUT
-from helpers_reliability import (
-    FALLBACK,
-    assert_grads_equal,
-    compile_dynbatch,
-    counters_delta,
-    loop_grads,
-    outcome,
-    reset_all,
-)
+from conftest import FALLBACK, OPINFO_WORKER_OUTPUT, assert_same_grads, compile_dynbatch, loop_grads, reset_all
+from helpers_reliability import counters_delta, outcome
 
 FAST_SAMPLES = int(os.environ.get("DYNBATCH_OPINFO_SAMPLES", "1"))
 # The sweep's device: "cuda" runs every op's CUDA kernels (float32 with TF32 off).
@@ -362,7 +354,7 @@ def _tol(key: str, dtype: torch.dtype) -> tuple[float, float]:
 def _compare_sets(got, want, labels, key, rtol, atol) -> str | None:
     try:
         for label, g, e in zip(labels, got, want):
-            assert_grads_equal(g, e, rtol=rtol, atol=atol, msg=f"{key} {label}")
+            assert_same_grads(g, e, rtol=rtol, atol=atol, msg=f"{key} {label}")
     except AssertionError as err:
         return str(err)[:2000]
     return None

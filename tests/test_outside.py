@@ -24,17 +24,10 @@ import torch
 import torch.autograd.functional as AF
 
 import dynbatch
-from conftest import assert_same_grads, loop_grads
+from conftest import AOT_EAGER, DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
 from dynbatch._compat import TORCH_VERSION
 
-# "error": a graph dynbatch cannot batch raises here rather than passing through eager
-INDUCTOR = {"dynbatch.on_unsupported": "error"}
-AOT_EAGER = {"dynbatch.inner_compiler": "aot_eager", "dynbatch.on_unsupported": "error"}
 grad = torch.autograd.grad
-
-
-def compiled(fn, options=AOT_EAGER, **kwargs):
-    return torch.compile(fn, backend="dynbatch", options=options, **kwargs)
 
 
 def paths() -> dict[str, int]:
@@ -62,7 +55,7 @@ def x64(*shape, requires_grad=False):
 @pytest.mark.parametrize("vectorize", [False, True])
 def test_hessian_of_a_compiled_function_is_not_zeros(vectorize):
     x = x64(5)
-    got = AF.hessian(compiled(narrow_exp), x, vectorize=vectorize)
+    got = AF.hessian(compile_dynbatch(narrow_exp, fullgraph=False), x, vectorize=vectorize)
     want = AF.hessian(narrow_exp, x, vectorize=vectorize)
     assert want.abs().sum() > 0
     assert_same_grads(got, want)
@@ -75,7 +68,7 @@ def test_hessian_of_a_compiled_function_is_not_zeros(vectorize):
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
 def test_batched_jacobian_of_a_compiled_model_runs_one_compiled_batched_backward(options):
     model = mlp()
-    m = compiled(model, options)
+    m = compile_dynbatch(model, options=options, fullgraph=False)
     x = x64(2, 4)
     assert_same_grads(AF.jacobian(m, x, vectorize=True), AF.jacobian(model, x, vectorize=True))
     assert paths() == {"outside_batched_compiled": 1}
@@ -123,7 +116,7 @@ def test_batched_jacobian_of_a_compiled_model_on_a_device_thread_runs_compiled(m
 
     monkeypatch.setattr(region, "_backward", _on_a_device_thread(region._backward))
     model = mlp()
-    m = compiled(model)
+    m = compile_dynbatch(model, fullgraph=False)
     x = x64(2, 4, requires_grad=True)
     for B in (2, 3, 5):
         V = torch.randn(B, 2, 3, dtype=torch.float64)
@@ -138,7 +131,7 @@ def test_batched_grads_outside_a_dynamic_region_run_compiled():
     def pair_sq(pos):
         return (pos.unsqueeze(1) - pos.unsqueeze(0)).pow(2).sum(-1)
 
-    c = compiled(pair_sq)
+    c = compile_dynbatch(pair_sq, fullgraph=False)
     for n in (4, 6, 8):
         x = x64(n, 3, requires_grad=True)
         V = torch.randn(5, n, n, dtype=torch.float64)
@@ -150,7 +143,7 @@ def test_batched_grads_outside_a_dynamic_region_run_compiled():
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
 def test_loop_jacobian_and_hessian_of_a_compiled_model(options):
     model = mlp()
-    m = compiled(model, options)
+    m = compile_dynbatch(model, options=options, fullgraph=False)
     x = x64(2, 4)
     assert_same_grads(AF.jacobian(m, x), AF.jacobian(model, x))
     assert paths().get("outside_plain", 0) == 6  # one retained backward per output element
@@ -166,14 +159,14 @@ def test_forward_mode_jacobian_inside_a_compiled_function_is_one_graph():
     # traces it as torch.func.vmap over torch.func.jvp (fullgraph=True proves it).
     g = lambda t: AF.jacobian(lambda u: 3 * u ** 2, t, strategy="forward-mode", vectorize=True)  # noqa: E731
     x = x64(5)
-    assert_same_grads(compiled(g, INDUCTOR, fullgraph=True)(x), g(x))
+    assert_same_grads(compile_dynbatch(g, options=INDUCTOR)(x), g(x))
     assert dynbatch.counters().get("graphs") == 1 and not paths(), dynbatch.counters()
 
 
 def test_a_region_called_with_dual_tensors_runs_eagerly():
     import torch.autograd.forward_ad as fwAD
 
-    f = compiled(lambda u: 3 * u ** 2 + u.sin(), INDUCTOR)
+    f = compile_dynbatch(lambda u: 3 * u ** 2 + u.sin(), options=INDUCTOR, fullgraph=False)
     x, t = x64(5), torch.ones(5, dtype=torch.float64)
     f(x)  # compiled once for plain tensors
     with fwAD.dual_level():
@@ -185,7 +178,7 @@ def test_a_region_called_with_dual_tensors_runs_eagerly():
 def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function():
     inner = lambda i: AF.jacobian(lambda t: t.exp().sum(1), i, create_graph=True, vectorize=True)  # noqa: E731
     x = x64(3, 4, requires_grad=True)
-    out = compiled(inner, INDUCTOR)(x)
+    out = compile_dynbatch(inner, options=INDUCTOR, fullgraph=False)(x)
     V = torch.randn(6, *out.shape, dtype=torch.float64)
     assert_same_grads(grad(out, x, V, is_grads_batched=True)[0],
                       grad(inner(x), x, V, is_grads_batched=True)[0])
@@ -195,7 +188,7 @@ def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function
 def test_compiled_hessian_called_after_bad_input_is_not_zeros():
     f = lambda t: (t.sin() ** 2).sum()  # noqa: E731
     h = lambda t: AF.hessian(f, t, vectorize=True)  # noqa: E731
-    c = compiled(h)
+    c = compile_dynbatch(h, fullgraph=False)
     with pytest.raises(TypeError) as got:
         c("bad")
     with pytest.raises(TypeError) as want:
@@ -211,7 +204,7 @@ def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_rever
 
     a, b = x64(3, 3), x64(3, 2)
     jac = lambda a, b: AF.jacobian(f, (a, b), strategy="forward-mode", vectorize=True)  # noqa: E731
-    got, want = compiled(jac, INDUCTOR, fullgraph=True)(a, b), jac(a, b)
+    got, want = compile_dynbatch(jac, options=INDUCTOR)(a, b), jac(a, b)
     for g_row, w_row in zip(got, want):
         assert_same_grads(g_row, w_row)
     energy = lambda t: (t.sin() ** 2).sum()  # noqa: E731
@@ -223,7 +216,7 @@ def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_rever
     # torch 2.11 compiles no region either, now and then, after test_memory_threads'
     # racing compiles in the same process (cause not found; eager's values all the same).
     graphs_before = dynbatch.counters().get("graphs", 0)
-    assert_same_grads(compiled(hess)(x64(4)), hess(x64(4)))
+    assert_same_grads(compile_dynbatch(hess, fullgraph=False)(x64(4)), hess(x64(4)))
     regions = dynbatch.counters().get("graphs", 0) - graphs_before
     if regions:
         assert paths().get("eager_calls", 0) >= 1, (paths(), dynbatch.counters())
@@ -235,7 +228,7 @@ def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_rever
 
 def test_training_step_grads_equal_eager_and_retain_graph_works():
     model = mlp()
-    m = compiled(model, INDUCTOR)
+    m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
     x = x64(5, 4)
     loss = m(x).pow(2).mean()
     params = list(model.parameters())
@@ -260,7 +253,7 @@ def test_training_after_a_dynamic_recompile():
     # inner backward there (Inductor only).
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
-    m = compiled(model, INDUCTOR)
+    m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
     params = list(model.parameters())
     for rows in (8, 12, 16):
         x = torch.randn(rows, 16)
@@ -271,7 +264,7 @@ def test_training_after_a_dynamic_recompile():
 
 
 def test_create_graph_third_order():
-    f = compiled(lambda t: t.sin().prod())
+    f = compile_dynbatch(lambda t: t.sin().prod(), fullgraph=False)
     x = x64(3, requires_grad=True)
     (g1,) = grad(f(x), x, create_graph=True)
     (g2,) = grad(g1.sum(), x, create_graph=True)
@@ -284,7 +277,7 @@ def test_create_graph_third_order():
 @pytest.mark.parametrize("transform", ["jacrev", "jacfwd", "hessian", "vmap_vjp"])
 def test_torch_func_transforms_over_a_compiled_model(transform):
     model = mlp()
-    m = compiled(model)
+    m = compile_dynbatch(model, fullgraph=False)
     x = x64(2, 4)
     if transform == "vmap_vjp":
         # The forward runs compiled outside the transform; vmap batches the grads
@@ -305,7 +298,7 @@ def test_torch_func_transforms_over_a_compiled_model(transform):
 def test_random_ops_loop_per_sample_and_refuse_create_graph():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)).double()
-    m = compiled(model)
+    m = compile_dynbatch(model, fullgraph=False)
     x = x64(2, 4, requires_grad=True)
     out = m(x)
     V = torch.randn(4, 2, 3, dtype=torch.float64)
@@ -325,7 +318,7 @@ def test_in_place_write_to_a_differentiable_input_is_first_order_only():
         return a.sin()
 
     x = x64(4, requires_grad=True)
-    got_out = compiled(f)(x * 1)
+    got_out = compile_dynbatch(f, fullgraph=False)(x * 1)
     want_out = f(x * 1)
     assert_same_grads(grad(got_out.sum(), x, retain_graph=True), grad(want_out.sum(), x))
     assert dynbatch.compile_records()[0].mutates_differentiable_input
@@ -335,7 +328,7 @@ def test_in_place_write_to_a_differentiable_input_is_first_order_only():
 
 def test_inference_regions_are_called_directly():
     model = mlp()
-    m = compiled(model)
+    m = compile_dynbatch(model, fullgraph=False)
     with torch.no_grad():
         m(x64(2, 4))
     m(x64(2, 4))  # x does not require grad, but the parameters do
@@ -353,7 +346,7 @@ def test_no_inductor_deprecation_warnings_leak(tmp_path, monkeypatch):
     x = torch.randn(4, 4)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        compiled(fn, {"fx_graph_cache": False}, fullgraph=True)(x, torch.randn(3, 4))
+        compile_dynbatch(fn, options={**DEFAULTS, "fx_graph_cache": False})(x, torch.randn(3, 4))
     leaked = [w for w in seen if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert not leaked, [str(w.message) for w in leaked]
 

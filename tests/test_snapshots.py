@@ -91,6 +91,7 @@ def record_text(record: dynbatch.CompileRecord) -> str:
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_graph_snapshots(name):
     fn, make_inputs = PROGRAMS[name]
+    # A user's plain torch.compile (Inductor, "fallback"): the snapshots are of what users get.
     compiled = torch.compile(fn, backend="dynbatch", fullgraph=True)
     for B in (3, 5):
         args = make_inputs(B)
@@ -112,7 +113,7 @@ def test_chunked_graph_snapshot():
     aten graph, and its chunk program (the forward part re-run, then the batched grad) is a
     graph of its own, compiled with the chunk's batch dim symbolic."""
     fn, make_inputs = PROGRAMS["hessian_rows"]
-    compiled = torch.compile(fn, backend="dynbatch", fullgraph=True, options={"dynbatch.chunk_size": 3})
+    compiled = torch.compile(fn, backend="dynbatch", fullgraph=True, options={"dynbatch.chunk_size": 3})  # as above
     for B in (4, 7):  # even chunks: 2+2, then 3+2+2
         args = make_inputs(B)
         assert_same_grads(compiled(*args), fn(*args), atol=1e-4, rtol=1e-4)
