@@ -84,3 +84,14 @@ def test_register_after_the_entry_point_loaded_is_a_no_op():
     dynbatch.register()
     dynbatch.register()
     assert lookup_backend("dynbatch") is loaded
+
+
+def test_the_readme_example_runs_as_written_and_prints_what_it_says():
+    """The README's first Python block, in a fresh process: it runs, and prints the
+    counters its last comment shows (a newcomer copies it as it is)."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    example = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    promised = re.search(r"print\(dynbatch\.counters\(\)\)\s*#\s*(\{.*\})", example).group(1)
+    proc = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == promised
