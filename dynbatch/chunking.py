@@ -1,4 +1,9 @@
-"""Stage 3c: batched grads run chunk by chunk within a memory budget.
+"""Batched grads run chunk by chunk within a memory budget.
+
+With memory.py, the part of the pipeline docs/design.md calls "Memory within
+a budget": not a numbered stage.  When the plan asks for chunks (memory.Replan,
+raised from stage 4's inner compiler), the backend rewrites the batched graph
+here and lowers it again.
 
 NOTE [Chunked batched grads]
 Chunks written into the graph do not bound memory under Inductor: the chunks

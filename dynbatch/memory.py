@@ -1,4 +1,8 @@
-"""Stage 3b: the memory plan of each batched grad, from its traced backward.
+"""The memory plan of each batched grad, from its traced backward.
+
+With chunking.py, the part of the pipeline docs/design.md calls "Memory within
+a budget": not a numbered stage, but run by stage 4 (lowering.py), whose inner
+compiler hands each aten graph to :meth:`Planner.observe`.
 
 A batched backward holds B copies of every intermediate that depends on the
 cotangents, so its memory grows with B.  While AOTAutograd traces the batched

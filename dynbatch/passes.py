@@ -1,4 +1,4 @@
-"""Aten-graph passes run before Inductor lowers dynbatch's batched graph."""
+"""Aten-graph passes run before Inductor lowers dynbatch's batched graph (stage 4, lowering)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The edge of the compiled region: what a grad taken *outside* a dynbatch graph gets.
 
+Not a numbered stage (docs/design.md, "The edge of the region"): the backend
+hands Dynamo each compiled graph inside a ``Region``.
+
 AOTAutograd's compiled backward is first-order and unbatched.  Called with
 ``create_graph=True`` it returns grads that depend on nothing when none of its
 saved tensors requires grad, and ``functional.hessian`` reads that as zeros;
