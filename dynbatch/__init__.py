@@ -11,8 +11,11 @@
 >>> jacobian(torch.randn(4, 8)).shape
 torch.Size([8, 4, 8])
 
-Pipeline (docs/design.md): capture.py -> batching.py -> shape_checks.py ->
-lowering.py, joined by backend.py.
+Pipeline (docs/design.md): four stages, 1 capture.py -> 2 batching.py ->
+3 shape_checks.py -> 4 lowering.py, joined by backend.py; and two parts that
+are not numbered stages: memory within a budget (memory.py, chunking.py,
+around lowering) and the edge of the region (region.py, around each compiled
+graph).
 """
 
 from __future__ import annotations

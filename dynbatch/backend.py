@@ -1,5 +1,11 @@
 """The ``dynbatch`` Dynamo backend: capture -> batching pass -> shape checks -> lowering.
 
+It joins the four stages (docs/design.md; 1 capture.py, 2 batching.py, 3
+shape_checks.py, 4 lowering.py) and the two parts that are not numbered stages:
+memory within a budget (memory.py, chunking.py; ``_lower_within_budget``) and
+the edge of the region (region.py; each compiled graph is handed back to Dynamo
+inside a ``Region``).
+
 Registered under the name "dynbatch" through the ``torch_dynamo_backends``
 entry point (pyproject.toml), so ``torch.compile(fn, backend="dynbatch")``
 works without importing dynbatch first.

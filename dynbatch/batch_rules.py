@@ -1,4 +1,6 @@
-"""Batching rules dynbatch swaps into functorch while a dynbatch compile traces.
+"""Batching rules dynbatch swaps into functorch while a dynbatch compile traces
+(put in place by stage 1, capture: docs/design.md, "Stage 1 — capture", item 3).
+Each is the math only (NOTE [Batch rules are the math]).
 
 NOTE [Symbolic batch rules]
 functorch's C++ batching rule for ``aten.slice_backward`` (and the one for
@@ -42,36 +44,151 @@ import torch
 from . import _compat, fail_soft
 
 
-def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, int]:
-    """A batching rule's arguments at the current vmap level, batch dim first:
-    batched tensors moved to dim 0, unbatched ones expanded to the (symbolic)
-    batch size, anything else as it is.  Returns (operands, B, level); B is
-    None, and the operands the plain values, when nothing is batched at this level."""
-    level = _compat.current_vmap_level()
-    values = [_compat.unwrap_at(a, level) if isinstance(a, torch.Tensor) else (a, None) for a in args]
-    sizes = [v.size(bdim) for v, bdim in values if bdim is not None]
+aten = torch.ops.aten
+
+# NOTE [Batch rules are the math]
+# Each rule below is its op's FuncTorchBatched kernel: functorch calls it with the
+# op's arguments as vmap holds them.  As in JAX's batching.py, where a rule maps
+# (vals, dims) to (out, dim), ``batch_rule`` does the plumbing once: it unwraps
+# each tensor argument (also in a list) at the current vmap level, batch dim moved
+# to the front; runs the op itself where nothing is batched at this level; else
+# calls the rule below vmap with a ``Batch`` (B, and which arguments carry it, the
+# part of JAX's ``dims`` a rule asks about) and the unwrapped arguments, and
+# rewraps what it returns batched along dim 0 (None stays None).  A rule that
+# returns PER_SAMPLE gets vmap's slow fallback instead: the op once per sample.
+# Rules whose plumbing differs say why where they do it themselves.
+
+PER_SAMPLE = object()  # a rule's answer: run the op once per sample (vmap's fallback)
+
+
+class Batch:
+    """What a rule knows of the vmap level it runs at: ``size`` (B) and which of the
+    arguments it was given carry the batch."""
+
+    def __init__(self, size: torch.SymInt | int, args: Sequence) -> None:
+        self.size = size
+        self._args = args  # as the kernel received them (wrapped)
+        self._batched: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (the value, kept alive; batched?)
+
+    def batched(self, *values: Any) -> bool:
+        """Does any of these arguments carry the batch?  (None and non-tensors do not.)"""
+        return any(isinstance(v, torch.Tensor) and self._batched[id(v)][1] for v in values)
+
+    def expanded(self, value: Any) -> Any:
+        """An argument as [B, ...]: itself if batched, else expanded to B (a stride-0
+        view); a list element by element; None and non-tensors as they are."""
+        if isinstance(value, list):
+            return [self.expanded(v) for v in value]
+        if not isinstance(value, torch.Tensor) or self.batched(value):
+            return value
+        return self._take(value.expand(self.size, *value.shape), True)
+
+    @property
+    def records_for_double_backward(self) -> bool:
+        """Will autograd record this call (create_graph=True)?"""
+        return _records_for_double_backward(self._args)
+
+    def _take(self, value: torch.Tensor, batched: bool) -> torch.Tensor:
+        # The same tensor as a batched argument's value and as an unbatched argument
+        # (a vmapped function that also reads what it maps over): an alias tells them apart.
+        if self._batched.get(id(value), (None, batched))[1] != batched:
+            value = aten.alias(value)
+        self._batched[id(value)] = (value, batched)
+        return value
+
+
+def batch_rule(op: torch._ops.OpOverload | str | Callable, *, expand: bool = False) -> Callable:
+    """Make ``rule(batch, *args, **kwargs)``, the math of a batching rule, the kernel
+    functorch calls (NOTE [Batch rules are the math]).  ``op`` (an OpOverload or a
+    callable, or the name of an aten op, looked up when called) is what runs where
+    nothing is batched, and once per sample where the rule returns PER_SAMPLE.
+    ``expand``: the rule gets every tensor as [B, ...], the unbatched ones expanded
+    (functorch's layout for ops that broadcast).  Keyword arguments pass as they are."""
+
+    def decorate(rule: Callable) -> Callable:
+        @functools.wraps(rule)
+        def kernel(*args, **kwargs):
+            level = _compat.current_vmap_level()
+            batch, values = _unwrap(args, level, expand)
+            target = getattr(aten, op).default if isinstance(op, str) else op
+            with _compat.below_vmap():
+                if batch is None:
+                    return target(*values, **kwargs)
+                out = rule(batch, *values, **kwargs)
+                if out is PER_SAMPLE:
+                    out = _each_sample(target, batch, values, kwargs)
+            return _rewrap(out, level)
+
+        return kernel
+
+    return decorate
+
+
+def _unwrap(args: Sequence, level: int, expand: bool = False) -> tuple[Batch | None, list]:
+    """A kernel's arguments at vmap ``level``: each tensor (also in a list) its value
+    there, batch dim moved to the front, and with ``expand`` the unbatched ones
+    expanded to B.  No Batch, and the plain values, when nothing is batched at this level."""
+    pairs = [[_at(e, level) for e in a] if _holds_tensors(a) else _at(a, level) for a in args]
+    sizes = [v.size(bdim) for a in pairs for v, bdim in (a if isinstance(a, list) else [a]) if bdim is not None]
     if not sizes:
-        return [v for v, _ in values], None, level
-    B = sizes[0]
-    return [_to_front(v, bdim) if bdim is not None
-            else v.expand(B, *v.shape) if isinstance(v, torch.Tensor) else v
-            for v, bdim in values], B, level
+        return None, [[v for v, _ in a] if isinstance(a, list) else a[0] for a in pairs]
+    batch = Batch(sizes[0], args)
+
+    def take(pair):
+        value, bdim = pair
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = batch._take(value if bdim is None else _to_front(value, bdim), bdim is not None)
+        return batch.expanded(value) if expand else value
+
+    return batch, [[take(p) for p in a] if isinstance(a, list) else take(a) for a in pairs]
+
+
+def _at(x: Any, level: int) -> tuple[Any, int | None]:
+    return _compat.unwrap_at(x, level) if isinstance(x, torch.Tensor) else (x, None)
+
+
+def _holds_tensors(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x)
 
 
 def _to_front(t: torch.Tensor, bdim: int) -> torch.Tensor:
     return t if bdim == 0 else t.movedim(bdim, 0)  # no identity permute in the graph
 
 
+def _rewrap(out: torch.Tensor | Sequence, level: int) -> torch.Tensor | tuple:
+    """A rule's result, batched along dim 0: a tensor, or a tuple of them (None stays None)."""
+    if isinstance(out, torch.Tensor):
+        return _compat.rewrap_batched(out, 0, level)
+    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level) for g in out)
+
+
+def _each_sample(op: Callable, batch: Batch, args: Sequence, kwargs: dict):
+    """``op`` once per sample, stacked (None results stay None)."""
+    args = [batch.expanded(a) if isinstance(a, torch.Tensor) else a for a in args]
+    samples = [op(*[a[i] if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+               for i in range(batch.size)]
+    single = not isinstance(samples[0], tuple)
+    outs = tuple(None if column[0] is None else torch.stack(column)
+                 for column in ([samples] if single else zip(*samples)))
+    return outs[0] if single else outs
+
+
+def _batch_dim_first(args: Sequence) -> tuple[list, torch.SymInt | int | None, int]:
+    """For the rules that do their own plumbing: (operands, B, level), every tensor
+    [B, ...] (B None, and the operands the plain values, when nothing is batched)."""
+    level = _compat.current_vmap_level()
+    batch, values = _unwrap(args, level, expand=True)
+    return values, None if batch is None else batch.size, level
+
+
 def _any_batched(tensors: Sequence, level: int) -> bool:
     return any(t is not None and _compat.unwrap_at(t, level)[1] is not None for t in tensors)
 
 
-def _rewrap_all(grads: Sequence, level: int) -> tuple:
-    """A multi-output backward's grads, batched along dim 0 (None stays None)."""
-    return tuple(None if g is None else _compat.rewrap_batched(g, 0, level) for g in grads)
-
-
 def slice_backward(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
+    # Own plumbing: none.  It runs at the vmap level, where functorch's rules batch
+    # its ops (a zero pad) with B symbolic; only the fallback below unwraps.
     rank = len(input_sizes)
     dim = dim % rank
     if _data_dependent(start) or _data_dependent(end):
@@ -92,30 +209,24 @@ def _data_dependent(x) -> bool:
     return isinstance(x, torch.SymInt) and _compat.has_unbacked_symbols(x)
 
 
-def _functorch_rule(grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
+@batch_rule("slice_backward")
+def _functorch_rule(batch: Batch, grad: torch.Tensor, input_sizes: Sequence, dim: int, start, end, step):
     """What functorch's C++ rule does (batch dim to the front, one unbatched
     slice_backward), reading B as a SymInt; no Python branching on the bounds."""
-    (value,), B, level = _batch_dim_first([grad])  # slice_backward is only called with grad batched
-    with _compat.below_vmap():
-        out = torch.ops.aten.slice_backward(value, [B, *input_sizes], dim + 1, start, end, step)
-    return _compat.rewrap_batched(out, 0, level)
+    return aten.slice_backward(grad, [batch.size, *input_sizes], dim + 1, start, end, step)
 
 
-def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+@batch_rule("cat", expand=True)
+def cat(batch: Batch, tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """functorch's cat rule with the batch size kept symbolic.
 
     The C++ rule expands each unbatched operand to the batch size read as an
     int; the backward of split/chunk cats batched grads with unbatched zeros,
     so every batched backward through a split guarded on B.
     """
-    operands, B, level = _batch_dim_first(tensors)
-    with _compat.below_vmap():
-        if B is None:
-            return torch.ops.aten.cat.default(operands, dim)
-        # cat skips 1-d empty operands whatever the others' shape (legacy behaviour)
-        kept = [t for t in operands if not (t.dim() == 2 and t.size(1) == 0)] or operands[:1]
-        out = torch.ops.aten.cat.default(kept, dim % (kept[0].dim() - 1) + 1)
-    return _compat.rewrap_batched(out, 0, level)
+    # cat skips 1-d empty operands whatever the others' shape (legacy behaviour)
+    kept = [t for t in tensors if not (t.dim() == 2 and t.size(1) == 0)] or tensors[:1]
+    return aten.cat.default(kept, dim % (kept[0].dim() - 1) + 1)
 
 
 def fold_batch_into_dim0(op: torch._ops.OpOverload) -> Callable:
@@ -127,71 +238,59 @@ def fold_batch_into_dim0(op: torch._ops.OpOverload) -> Callable:
     ([C, H, W]) becomes [B*C, H, W], still valid: channels are independent too.
     """
 
-    def rule(*args):
-        operands, B, level = _batch_dim_first(args)
-        with _compat.below_vmap():
-            if B is None:
-                return op(*operands)
-            # dense: adaptive_max_pool3d_backward (CPU, torch 2.13) segfaults on a
-            # stride-0 self/indices, which a flattened expand of a size-1 dim is
-            out = op(*[a.flatten(0, 1).contiguous() if isinstance(a, torch.Tensor) else a for a in operands])
-        return _compat.rewrap_batched(out.unflatten(0, (B, -1)), 0, level)
+    @batch_rule(op, expand=True)
+    def rule(batch: Batch, *args):
+        # dense: adaptive_max_pool3d_backward (CPU, torch 2.13) segfaults on a
+        # stride-0 self/indices, which a flattened expand of a size-1 dim is
+        out = op(*[a.flatten(0, 1).contiguous() if isinstance(a, torch.Tensor) else a for a in args])
+        return out.unflatten(0, (batch.size, -1))
 
     return rule
 
 
-def gelu_backward(grad_output: torch.Tensor, self: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+@batch_rule("gelu_backward", expand=True)
+def gelu_backward(batch: Batch, grad_output: torch.Tensor, self: torch.Tensor, *,
+                  approximate: str = "none") -> torch.Tensor:
     """functorch's rule for this pointwise op reads B as an int (tanh_backward's
     does not).  Same layout as functorch's: the unbatched operand expanded to
     [B, ...], which passes.sink_expands later undoes for the derivative factor.
     (Autograd passes both operands with one shape; the op does not broadcast.)"""
-    (g, x), B, level = _batch_dim_first([grad_output, self])
-    with _compat.below_vmap():
-        out = torch.ops.aten.gelu_backward.default(g, x, approximate=approximate)
-    return out if B is None else _compat.rewrap_batched(out, 0, level)
+    return aten.gelu_backward.default(grad_output, self, approximate=approximate)
 
 
-def cdist_backward(grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: float, cdist: torch.Tensor):
+@batch_rule("_cdist_backward", expand=True)
+def cdist_backward(batch: Batch, grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: float,
+                   cdist: torch.Tensor):
     """functorch's rule returns wrong values when the grad alone is batched (torch
     2.13: off by up to 200 against a loop of ``autograd.grad`` for every p but 0
     with inputs that have batch dims, and for p=1 without).  torch.cdist calls
     the op with at most one batch dim ([batch, P, M]), so B is folded into it
     (the meta function mis-broadcasts two); the kernel wants dense inputs."""
-    operands, B, level = _batch_dim_first([grad, x1, x2, cdist])
-    if B is None:
-        with _compat.below_vmap():
-            return torch.ops.aten._cdist_backward.default(*operands[:3], p, operands[3])
     # x1 and x2 may come with different batch dims (cdist broadcasts them)
-    batch = tuple(torch.broadcast_shapes(*(t.shape[1:-2] for t in operands)))
+    dims = tuple(torch.broadcast_shapes(*(t.shape[1:-2] for t in (grad, x1, x2, cdist))))
 
     def folded(t: torch.Tensor) -> torch.Tensor:
-        t = t[(slice(None),) + (None,) * (len(batch) + 3 - t.dim())]  # [B, 1.., *t's batch, r, c]
-        return t.expand(B, *batch, *t.shape[-2:]).flatten(0, len(batch)).contiguous()
+        t = t[(slice(None),) + (None,) * (len(dims) + 3 - t.dim())]  # [B, 1.., *t's batch, r, c]
+        return t.expand(batch.size, *dims, *t.shape[-2:]).flatten(0, len(dims)).contiguous()
 
-    g, a, b, d = (folded(t) for t in operands)
-    with _compat.below_vmap():
-        out = torch.ops.aten._cdist_backward.default(g, a, b, p, d)
-    return _compat.rewrap_batched(out.unflatten(0, (B, *batch)), 0, level)
+    g, a, b, d = (folded(t) for t in (grad, x1, x2, cdist))
+    return aten._cdist_backward.default(g, a, b, p, d).unflatten(0, (batch.size, *dims))
 
 
-def roll(self: torch.Tensor, shifts, dims=()) -> torch.Tensor:
+@batch_rule("roll")
+def roll(batch: Batch, self: torch.Tensor, shifts, dims=()) -> torch.Tensor:
     """functorch's rule rolls a 0-d sample across the batch (torch 2.13: the batched
     grad of ``torch.roll`` of a 0-d tensor is the cotangents rotated, not equal to
     them).  Without ``dims`` roll works on each sample flattened."""
-    (x,), B, level = _batch_dim_first([self])
-    with _compat.below_vmap():
-        if B is None:
-            return torch.ops.aten.roll.default(x, shifts, dims)
-        if len(dims) == 0:
-            flat = x.flatten(1) if x.dim() > 1 else x[:, None]  # [B, numel of a sample]
-            out = flat.roll(shifts, 1).reshape(x.shape)
-        else:
-            rank = max(x.dim() - 1, 1)
-            out = torch.ops.aten.roll.default(x, shifts, [d % rank + 1 for d in dims])
-    return _compat.rewrap_batched(out, 0, level)
+    if len(dims) == 0:
+        flat = self.flatten(1) if self.dim() > 1 else self[:, None]  # [B, numel of a sample]
+        return flat.roll(shifts, 1).reshape(self.shape)
+    rank = max(self.dim() - 1, 1)
+    return aten.roll.default(self, shifts, [d % rank + 1 for d in dims])
 
 
-def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+@batch_rule("mm")
+def mm(batch: Batch, self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     """a @ g[b] for every sample, with only the right operand batched: a linear
     layer's weight grad x.T @ g, attention's p.T @ g.  functorch's rule hands it to
     ATen's matmul, which computes it transposed, (g.mT @ a.T).T as one tall mm, and
@@ -199,42 +298,29 @@ def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     ``a`` needs neither copy (and is what torch.func's traced matmul gives).  The
     other cases are functorch's: a batched left operand folds B into its rows (one
     mm), both batched is a bmm."""
-    level = _compat.current_vmap_level()
-    (a, a_bdim), (g, g_bdim) = (_compat.unwrap_at(t, level) for t in (self, mat2))
-    with _compat.below_vmap():
-        if a_bdim is None and g_bdim is None:
-            return torch.ops.aten.mm.default(a, g)
-        if g_bdim is None:
-            out = torch.matmul(_to_front(a, a_bdim), g)
-        else:
-            g = _to_front(g, g_bdim)
-            a = _to_front(a, a_bdim) if a_bdim is not None else a.expand(g.shape[0], *a.shape)
-            out = torch.bmm(a, g)
-    return _compat.rewrap_batched(out, 0, level)
+    if not batch.batched(mat2):
+        return torch.matmul(self, mat2)
+    return torch.bmm(batch.expanded(self), mat2)
 
 
-def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+# Coupled with lowering._CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT: the two rules
+# below put B in a weight's sizes or the groups, which Inductor's lowering would read
+# as ints (B specialised again), so stage 4 lowers those convolutions as extern calls.
+
+@batch_rule("convolution")
+def convolution(batch: Batch, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """functorch's rule (JAX's) reads B as an int; the double backward of a
     convolution calls it with batched operands.  A batched input alone is
     folded into N; anything else is B convolutions run as one with B times the
     groups (``_fold_into_groups``)."""
-    level = _compat.current_vmap_level()
-    (x, x_bdim), (w, w_bdim) = (_compat.unwrap_at(t, level) for t in (input, weight))
-    b, b_bdim = _compat.unwrap_at(bias, level) if bias is not None else (None, None)
     args = (stride, padding, dilation, transposed, output_padding)
-    with _compat.below_vmap():
-        if x_bdim is None and w_bdim is None and b_bdim is None:
-            return torch.ops.aten.convolution.default(x, w, b, *args, groups)
-        if w_bdim is None and b_bdim is None:
-            x = _to_front(x, x_bdim)
-            out = torch.ops.aten.convolution.default(x.flatten(0, 1), w, b, *args, groups).unflatten(0, x.shape[:2])
-        else:
-            (x, w, *b), B, _ = _batch_dim_first([input, weight] + ([bias] if bias is not None else []))
-            x_, w_ = _fold_into_groups(x, w)
-            out = torch.ops.aten.convolution.default(
-                x_, w_, b[0].flatten() if b else None, *args, groups * B)
-            out = _batch_out_of_channels(out, B)
-    return _compat.rewrap_batched(out, 0, level)
+    if not batch.batched(weight, bias):
+        out = aten.convolution.default(input.flatten(0, 1), weight, bias, *args, groups)
+        return out.unflatten(0, input.shape[:2])
+    x, w, b = (batch.expanded(t) for t in (input, weight, bias))
+    x, w = _fold_into_groups(x, w)
+    out = aten.convolution.default(x, w, None if b is None else b.flatten(), *args, groups * batch.size)
+    return _batch_out_of_channels(out, batch.size)
 
 
 def _batch_into_channels(t: torch.Tensor) -> torch.Tensor:
@@ -257,26 +343,20 @@ def _fold_into_groups(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, t
     return _batch_into_channels(x), w.flatten(0, 1)
 
 
-def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+@batch_rule("convolution_backward")
+def convolution_backward(batch: Batch, grad_output, input, weight, bias_sizes, stride, padding, dilation,
                          transposed, output_padding, groups, output_mask):
     """functorch's rule reads B as an int in every branch, so any batched
     backward through a convolution recompiled for each new B.  Same layouts as
     functorch's, with B symbolic: see ``_conv_backward_cotangent_batched`` and
     ``_conv_backward_folded_into_groups``."""
-    level = _compat.current_vmap_level()
-    (go, go_bdim), (x, x_bdim), (w, w_bdim) = (_compat.unwrap_at(t, level) for t in (grad_output, input, weight))
     args = (stride, padding, dilation, transposed, output_padding, groups)
-    with _compat.below_vmap():
-        if go_bdim is None and x_bdim is None and w_bdim is None:
-            return torch.ops.aten.convolution_backward.default(go, x, w, bias_sizes, *args, output_mask)
-        if x_bdim is None and w_bdim is None:
-            # the first-order case: only the cotangents carry B
-            grads = _conv_backward_cotangent_batched(_to_front(go, go_bdim), x, w, args, output_mask)
-        else:
-            # a double backward: input or weight batched too
-            (go, x, w), _, _ = _batch_dim_first([grad_output, input, weight])
-            grads = _conv_backward_folded_into_groups(go, x, w, args, output_mask)
-    return _rewrap_all(grads, level)
+    if not batch.batched(input, weight):
+        # the first-order case: only the cotangents carry B
+        return _conv_backward_cotangent_batched(grad_output, input, weight, args, output_mask)
+    # a double backward: input or weight batched too
+    go, x, w = (batch.expanded(t) for t in (grad_output, input, weight))
+    return _conv_backward_folded_into_groups(go, x, w, args, output_mask)
 
 
 def _conv_backward(go, x, w, args, mask):
@@ -331,7 +411,9 @@ def _conv_backward_folded_into_groups(go, x, w, args, mask):
     return grad_input, grad_weight, _bias_grad(go, mask)
 
 
-def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+@batch_rule("native_layer_norm_backward")
+def native_layer_norm_backward(batch: Batch, grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                               output_mask):
     """functorch's rule reads B as an int, and under create_graph its weight
     grad, ``sum(grad_out * (input - mean) * rstd)`` in plain ops, has a wrong
     double backward: autograd does not differentiate the saved mean and rstd,
@@ -339,60 +421,50 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     by up to 6 against the loop).  Here the input grad is the op itself on B
     folded into the rows (its own derivative formula is exact), and a weight
     or bias grad that autograd records is computed per sample by the op."""
-    level = _compat.current_vmap_level()
-    args = (grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
-    op = torch.ops.aten.native_layer_norm_backward.default
-    if _any_batched((input, mean, rstd, weight, bias), level) or (
-        _records_for_double_backward(args) and (output_mask[1] or output_mask[2])
+    if batch.batched(input, mean, rstd, weight, bias) or (
+        batch.records_for_double_backward and (output_mask[1] or output_mask[2])
     ):
-        return _per_sample(op, *args)
-    go, go_bdim = _compat.unwrap_at(grad_out, level)
-    if go_bdim is None:
-        with _compat.below_vmap():
-            return op(*args)
-    go = _to_front(go, go_bdim).to(input.dtype)
+        return PER_SAMPLE
+    op = aten.native_layer_norm_backward.default
+    go = grad_out.to(input.dtype)
     B, rows = go.shape[0], list(range(1, go.dim() - len(normalized_shape)))  # dims summed for weight and bias
 
     def sum_rows(t: torch.Tensor) -> torch.Tensor:
         return t.sum(rows) if rows else t  # sum over [] would sum everything
 
     grad_input = grad_weight = grad_bias = None
-    with _compat.below_vmap():
-        if output_mask[0]:
-            g = (go if weight is None else go * weight).contiguous()  # as functorch's rule passes it
-            x, m, r = (t.expand(B, *t.shape).contiguous() for t in (input, mean, rstd))
-            grad_input = op(g, x, normalized_shape, m, r, None, None, [True, False, False])[0]
-        if output_mask[1] and weight is not None:
-            grad_weight = sum_rows(go * ((input - mean) * rstd))
-        if output_mask[2] and bias is not None:
-            grad_bias = sum_rows(go)
-    return _rewrap_all((grad_input, grad_weight, grad_bias), level)
+    if output_mask[0]:
+        g = (go if weight is None else go * weight).contiguous()  # as functorch's rule passes it
+        x, m, r = (t.expand(B, *t.shape).contiguous() for t in (input, mean, rstd))
+        grad_input = op(g, x, normalized_shape, m, r, None, None, [True, False, False])[0]
+    if output_mask[1] and weight is not None:
+        grad_weight = sum_rows(go * ((input - mean) * rstd))
+    if output_mask[2] and bias is not None:
+        grad_bias = sum_rows(go)
+    return grad_input, grad_weight, grad_bias
 
 
-def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
-                               train, eps, output_mask):
+@batch_rule("native_batch_norm_backward")
+def native_batch_norm_backward(batch: Batch, grad_out, input, weight, running_mean, running_var, save_mean,
+                               save_invstd, train, eps, output_mask):
     """functorch's rule reads B as an int, and under create_graph its weight
     grad has the same wrong double backward as layer norm's (torch 2.13: off by
     up to 8; instance norm too, which calls this op).  Channels are independent
     in batch norm, so B goes into them: [N, (B C), ...] with the per-channel
     vectors repeated, one call of the op, whose derivative formula is exact."""
-    level = _compat.current_vmap_level()
-    args = (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask)
-    op = torch.ops.aten.native_batch_norm_backward.default
-    go, go_bdim = _compat.unwrap_at(grad_out, level)
-    if go_bdim is None or _any_batched(args[1:7], level):
-        return _per_sample(op, *args)  # a double backward with batched input or stats
-    go = _to_front(go, go_bdim)
-    B, N, C = go.shape[:3]
-    with _compat.below_vmap():
-        x = input.unsqueeze(1).expand(N, B, *input.shape[1:]).flatten(1, 2)
-        per_channel = [None if v is None else v.repeat(B) for v in args[2:7]]  # empty save stats stay empty
-        go_ = _batch_into_channels(go).contiguous()
-        grad_input, grad_weight, grad_bias = op(go_, x, *per_channel, train, eps, output_mask)
-        if grad_input is not None:
-            grad_input = _batch_out_of_channels(grad_input, B)
-        grad_weight, grad_bias = (None if g is None else g.unflatten(0, (B, C)) for g in (grad_weight, grad_bias))
-    return _rewrap_all((grad_input, grad_weight, grad_bias), level)
+    per_channel = (weight, running_mean, running_var, save_mean, save_invstd)
+    if not batch.batched(grad_out) or batch.batched(input, *per_channel):
+        return PER_SAMPLE  # a double backward with batched input or stats
+    B, N, C = grad_out.shape[:3]
+    x = input.unsqueeze(1).expand(N, B, *input.shape[1:]).flatten(1, 2)
+    per_channel = [None if v is None else v.repeat(B) for v in per_channel]  # empty save stats stay empty
+    go = _batch_into_channels(grad_out).contiguous()
+    grad_input, grad_weight, grad_bias = aten.native_batch_norm_backward.default(
+        go, x, *per_channel, train, eps, output_mask)
+    if grad_input is not None:
+        grad_input = _batch_out_of_channels(grad_input, B)
+    grad_weight, grad_bias = (None if g is None else g.unflatten(0, (B, C)) for g in (grad_weight, grad_bias))
+    return grad_input, grad_weight, grad_bias
 
 
 def cudnn_batch_norm_backward(input, grad_output, weight, running_mean, running_var, save_mean, save_var,
@@ -405,39 +477,39 @@ def cudnn_batch_norm_backward(input, grad_output, weight, running_mean, running_
     functorch's rule calls the native op too (torch 2.11, seen on an H200), so
     today this pins that routing: a functorch rule of its own for the cuDNN op
     would bring back the native rule's faults (tests/test_cuda.py)."""
-    return torch.ops.aten.native_batch_norm_backward.default(
+    # Own plumbing: none.  It calls the native op at the vmap level, whose rule batches it.
+    return aten.native_batch_norm_backward.default(
         grad_output, input, weight, running_mean, running_var, save_mean, save_var, True, epsilon,
         [True, True, True])
 
 
-def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+@batch_rule("native_group_norm_backward")
+def native_group_norm_backward(batch: Batch, grad_out, input, mean, rstd, weight, N, C, HxW, group,
+                               output_mask):
     """functorch's rule reads B as an int.  Autograd calls this op for first
     order only (under create_graph group norm differentiates a composite), so
     the rule is functorch's with B symbolic: the input grad is the op on B
     folded into N, the weight and bias grads plain sums per sample."""
-    level = _compat.current_vmap_level()
-    args = (grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
-    op = torch.ops.aten.native_group_norm_backward.default
-    go, go_bdim = _compat.unwrap_at(grad_out, level)
-    if go_bdim is None or _records_for_double_backward(args) or _any_batched((input, mean, rstd, weight), level):
-        return _per_sample(op, *args)
-    go = _to_front(go, go_bdim).to(input.dtype)
+    if (not batch.batched(grad_out) or batch.records_for_double_backward
+            or batch.batched(input, mean, rstd, weight)):
+        return PER_SAMPLE
+    op = aten.native_group_norm_backward.default
+    go = grad_out.to(input.dtype)
     B = go.shape[0]
     samples_and_space = [1, *range(3, go.dim())]  # [B, N, C, *spatial]: summed for weight and bias
     grad_input = grad_weight = grad_bias = None
-    with _compat.below_vmap():
-        if output_mask[0]:
-            x, m, r = (t.expand(B, *t.shape).flatten(0, 1).contiguous() for t in (input, mean, rstd))
-            # dense: the CPU kernel misreads a strided grad_out (torch 2.13)
-            grad_input = op(go.flatten(0, 1).contiguous(), x, m, r, weight, B * N, C, HxW, group,
-                            [True, False, False])[0].unflatten(0, (B, N))
-        if output_mask[1] and weight is not None:
-            x = input.reshape(N, group, C // group * HxW)  # not -1: N may be 0
-            normalized = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
-            grad_weight = (go * normalized).sum(samples_and_space)
-        if output_mask[2]:
-            grad_bias = go.sum(samples_and_space)
-    return _rewrap_all((grad_input, grad_weight, grad_bias), level)
+    if output_mask[0]:
+        x, m, r = (t.expand(B, *t.shape).flatten(0, 1).contiguous() for t in (input, mean, rstd))
+        # dense: the CPU kernel misreads a strided grad_out (torch 2.13)
+        grad_input = op(go.flatten(0, 1).contiguous(), x, m, r, weight, B * N, C, HxW, group,
+                        [True, False, False])[0].unflatten(0, (B, N))
+    if output_mask[1] and weight is not None:
+        x = input.reshape(N, group, C // group * HxW)  # not -1: N may be 0
+        normalized = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
+        grad_weight = (go * normalized).sum(samples_and_space)
+    if output_mask[2]:
+        grad_bias = go.sum(samples_and_space)
+    return grad_input, grad_weight, grad_bias
 
 
 def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
@@ -447,7 +519,9 @@ def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout
     [N, H, L, ...] per sample, N independent attention problems, so B folds into
     N: one call on [B*N, ...].  With dropout the per-sample loop stays (the
     op's random stream is per call)."""
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    # Own plumbing: the mask (a keyword argument) is expanded per sample at the vmap
+    # level, to its logical [N, H, L, S], before B is folded in.
+    op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     level = _compat.current_vmap_level()
 
     def call(go, q, k, v, o, lse, mask):
@@ -465,7 +539,7 @@ def sdpa_flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout
     with _compat.below_vmap():
         # dense, as fold_batch_into_dim0 does: an expanded operand folds to stride 0
         grads = call(*[a if a is None else a.flatten(0, 1).contiguous() for a in operands])
-    return _rewrap_all([g.unflatten(0, (B, -1)) for g in grads], level)
+    return _rewrap([g.unflatten(0, (B, -1)) for g in grads], level)
 
 
 # The CUDA attention backwards, none with a functorch rule: their per-sample
@@ -494,6 +568,8 @@ def fold_attention_backward(op: torch._ops.OpOverload, per_sample: Sequence[str]
     bias_at = None if bias is None else names.index(bias)
     bmhk = schema.name == "aten::_efficient_attention_backward"  # [N, L, H, E]; the rest [N, H, L, E]
 
+    # Own plumbing: the arguments folded and kept are chosen by name from the schema,
+    # and an unneeded grad_bias stays unbatched.
     def rule(*args, **kwargs):
         level = _compat.current_vmap_level()
         args = list(args)
@@ -570,6 +646,8 @@ def _per_sample_unless_first_order(op: torch._ops.OpOverload, decomposition: Cal
     double backward could be wrong; the loop is what functorch did anyway.
     """
 
+    # Own plumbing: none.  The decomposition runs at the vmap level, where functorch's
+    # rules batch its ops.
     def rule(*args, **kwargs):
         if _records_for_double_backward(args):
             return _per_sample(op, *args, **kwargs)
@@ -583,19 +661,10 @@ def _records_for_double_backward(args: Sequence) -> bool:
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
-def _per_sample(op: torch._ops.OpOverload, *args, **kwargs):
+def _per_sample(op: Callable, *args, **kwargs):
     """The op once per sample, stacked: vmap's slow fallback (B read as an int,
     a graph that grows with B), kept where only the op itself differentiates right."""
-    operands, B, level = _batch_dim_first(args)
-    with _compat.below_vmap():
-        if B is None:
-            return op(*operands, **kwargs)
-        samples = [op(*[a[i] if isinstance(a, torch.Tensor) else a for a in operands], **kwargs)
-                   for i in range(B)]
-    single = not isinstance(samples[0], tuple)
-    outs = [None if column[0] is None else _compat.rewrap_batched(torch.stack(column), 0, level)
-            for column in ([samples] if single else zip(*samples))]
-    return outs[0] if single else tuple(outs)
+    return batch_rule(op)(lambda batch, *args, **kwargs: PER_SAMPLE)(*args, **kwargs)
 
 
 @functools.cache

@@ -1,5 +1,8 @@
 """The batching rule: ``torch.autograd.grad(..., is_grads_batched=True)`` on functorch.
 
+Stage 2 with batching.py, which points grad calls here; stage 3's shape checks
+run inside it, and stage 4 traces it.
+
 Eager PyTorch maps the backward over the batch with the legacy
 ``torch._vmap_internals._vmap``, which loops per sample over every op that has
 no legacy batching rule and cannot see symbolic sizes.  ``torch.func.vmap``

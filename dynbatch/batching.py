@@ -57,7 +57,7 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
         return BatchingResult(gm, (), (), (Unsupported(
             "output", "it returns a tensor made from a leaf that requires_grad_() created inside the graph, "
                       "with requires_grad (AOTAutograd would drop its autograd state; torch 2.13 graph-breaks)"),))
-    new_gm = _copy_graph_module(gm)
+    new_gm = fx_utils.copy_graph_module(gm)
     batched, plain, unsupported = [], [], []
     for node in new_gm.graph.nodes:
         if not is_grad_call(node):
@@ -77,11 +77,3 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
         return BatchingResult(gm, (), tuple(plain), tuple(unsupported))
     new_gm.recompile()
     return BatchingResult(new_gm, tuple(batched), tuple(plain), ())
-
-
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = fx_utils.copy_graph(gm.graph)
-    # Keep what Dynamo attached to the graph (e.g. the shape env, dynamo_flat_name_to_original_fqn).
-    new_gm = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
-    new_gm.meta.update(getattr(gm, "meta", {}))
-    return new_gm

@@ -1,4 +1,9 @@
-"""Stage 3c: batched grads run chunk by chunk within a memory budget.
+"""Batched grads run chunk by chunk within a memory budget.
+
+With memory.py, the part of the pipeline docs/design.md calls "Memory within
+a budget": not a numbered stage.  When the plan asks for chunks (memory.Replan,
+raised from stage 4's inner compiler), the backend rewrites the batched graph
+here and lowers it again.
 
 NOTE [Chunked batched grads]
 Chunks written into the graph do not bound memory under Inductor: the chunks
@@ -40,7 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import _compat, fx_utils, memory
+from . import _compat, fx_utils, memory, requires_grad_tracing
 from .batched_grad import batched_grad
 
 log = logging.getLogger("dynbatch")
@@ -91,8 +96,7 @@ class ChunkProgram:
         size = max(1, min(batch, self.chunk_size([*inputs, *deps, *ints, *cotangents])))
         chunks = math.ceil(batch / size) if batch else 0
         with torch.enable_grad():
-            leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
-                lambda t: t.detach().requires_grad_())
+            leaf = requires_grad_tracing.program_input
             leaves = [leaf(x) for x in inputs]
             deps = [leaf(d) if rg else d.detach() for d, rg in zip(deps, self.dep_requires_grad)]
             if chunks == 1:  # B fits: the program's grads as they are, no copy
@@ -169,8 +173,7 @@ def chunk_grads(
     """
     refused: dict[str, str] = {}
     global_state = _global_state_nodes(original.graph)
-    new_gm = torch.fx.GraphModule(batched, fx_utils.copy_graph(batched.graph), batched.__class__.__name__)
-    new_gm.meta.update(getattr(batched, "meta", {}))
+    new_gm = fx_utils.copy_graph_module(batched)
     by_name = {n.name: n for n in original.graph.nodes}
     new_by_name = {n.name: n for n in new_gm.graph.nodes}
     for name in names:
@@ -253,8 +256,10 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
     if not set(outputs) <= set(part):
         raise Refused("an output does not depend on the inputs")
     upstream = memory.ancestors(inputs)
+    if None in planner.random_nodes:
+        raise Refused("the graph draws random numbers in an op whose node is not known; a re-run could draw others")
     for n in part:
-        _check_rerunnable(n, upstream)
+        _check_rerunnable(n, upstream, planner.random_nodes)
     in_part = set(part) | set(inputs)
     deps, ints, pulled = [], [], []
     _collect_deps(part, in_part, deps, ints, pulled)
@@ -263,10 +268,11 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     dep_requires_grad = tuple(bool(getattr(_val(d), "requires_grad", False)) for d in deps)
+    leaf = requires_grad_tracing.program_leaf
     for i, n in enumerate(inputs):
-        env[n] = _leaf(graph, graph.placeholder(f"input_{i}"))
+        env[n] = leaf(graph, graph.placeholder(f"input_{i}"))
     for i, (n, rg) in enumerate(zip(deps, dep_requires_grad)):
-        env[n] = _leaf(graph, graph.placeholder(f"dep_{i}")) if rg else graph.placeholder(f"dep_{i}")
+        env[n] = leaf(graph, graph.placeholder(f"dep_{i}")) if rg else graph.placeholder(f"dep_{i}")
     for i, n in enumerate(ints):
         env[n] = graph.placeholder(f"int_{i}")
     cot_args = [graph.placeholder(f"cotangent_{i}") for i in range(len(cotangents))]
@@ -294,32 +300,22 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
     return _PROGRAMS[key], {"inputs": inputs, "deps": deps, "ints": ints, "cotangents": cotangents}
 
 
-def _leaf(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
-    """Where Dynamo traces ``requires_grad_()`` (torch 2.12+), the program makes its own leaves
-    from detached inputs and compiles as an inference graph; before, it takes leaves."""
-    if not _compat.DYNAMO_TRACES_REQUIRES_GRAD_:
-        return x
-    leaf = graph.call_method("detach", (x,))
-    # Later nodes read the tensor requires_grad_() changed in place, as user code does:
-    # Dynamo tracks the change on that tensor, not on the method's return value.
-    graph.call_method("requires_grad_", (leaf,))
-    return leaf
-
-
 def _key(program_gm: torch.fx.GraphModule, planner: memory.Planner) -> str:
     # A content hash: a compiled graph that names it (e.g. from a cache) always means this program.
     text = f"{program_gm.code}|{planner.budget}|{planner.fixed_chunk}|{id(planner)}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _check_rerunnable(n: torch.fx.Node, upstream: set) -> None:
+def _check_rerunnable(n: torch.fx.Node, upstream: set, random_nodes: set) -> None:
+    """Raise Refused where re-running ``n`` would not give what the original run did.
+    ``random_nodes``: the Dynamo nodes whose aten ops draw random numbers (memory.Planner)."""
     target = n.target
     name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
     if n.op == "call_method" and name.endswith("_") and name not in ("requires_grad_",):
         raise Refused(f"{n.name} writes in place ({name})")
     if n.op == "call_function" and target in (operator.setitem,):
         raise Refused(f"{n.name} writes in place (setitem)")
-    if n.op == "call_function" and any(w in str(name).lower() for w in ("rand", "dropout", "bernoulli", "normal")):
+    if n.name in random_nodes:
         raise Refused(f"{n.name} draws random numbers ({name}); a re-run would draw others")
     if n.op == "call_function" and target is torch.autograd.grad:
         for x in _nodes(_bound(n)["inputs"]):

@@ -2,6 +2,8 @@
 
 Used by several stages and owned by none; none of them is a shim over torch
 internals (those are ``_compat``'s), so they live here rather than there.
+Questions more than one stage asks of a graph are answered here, once: is an
+aten node pointwise, does it draw random numbers (both by torch's op tags).
 """
 
 from __future__ import annotations
@@ -19,6 +21,47 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     new = _compat.empty_graph_like(graph)
     new.output(new.graph_copy(graph, {}))
     return new
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` to rewrite: its graph copied, its attributes shared, and what
+    Dynamo attached to it kept (e.g. the shape env, dynamo_flat_name_to_original_fqn)."""
+    new_gm = torch.fx.GraphModule(gm, copy_graph(gm.graph), gm.__class__.__name__)
+    new_gm.meta.update(getattr(gm, "meta", {}))
+    return new_gm
+
+
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """An aten graph's elementwise op (torch's ``pointwise`` op tag)."""
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """An aten graph's op that draws random numbers (torch's ``nondeterministic_seeded``
+    op tag): a re-run draws others, and B expanded copies draw B samples where one
+    call draws one."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def random_op_origins(gm: torch.fx.GraphModule) -> set[str | None]:
+    """The Dynamo graph nodes an aten graph's random ops were traced from (the last entry
+    of ``source_fn_stack``, which AOTAutograd copies from the node it traces); None
+    stands for a random op whose origin is not recorded."""
+    origins: set[str | None] = set()
+    for node in gm.graph.nodes:
+        if draws_random_numbers(node):
+            origins |= _origins(node)
+    return origins
+
+
+def _origins(node: torch.fx.Node) -> set[str | None]:
+    stack = node.meta.get("source_fn_stack")
+    if stack:
+        return {stack[-1][0]}
+    # Inductor's seed op (inductor_seeds, added by its joint-graph passes) has none: it
+    # feeds the ops that replaced the graph's random ops, each with its origin.
+    readers = [user.meta.get("source_fn_stack") for user in node.users]
+    return {s[-1][0] for s in readers} if readers and all(readers) else {None}
 
 
 def graph_output_count(gm: Any) -> int:

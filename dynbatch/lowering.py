@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat, matmul_kernels, memory, passes
+from . import _compat, fx_utils, matmul_kernels, memory, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
@@ -70,8 +70,7 @@ def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_
 
 def random_ops(gm: torch.fx.GraphModule) -> list[str]:
     """Ops that draw random numbers: a re-run of the graph would draw others."""
-    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-            and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    return [str(n.target) for n in gm.graph.nodes if fx_utils.draws_random_numbers(n)]
 
 
 def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord, planner):
@@ -150,7 +149,9 @@ def _extern_when_weight_is_symbolic(weight: int, groups: int) -> Callable:
     return wrap
 
 
-# op -> wrapper of its lowering, given where the op's schema puts weight and groups
+# op -> wrapper of its lowering, given where the op's schema puts weight and groups.
+# Coupled with batch_rules.convolution and batch_rules.convolution_backward: they fold
+# B into a weight's sizes or the groups, which is what these wrappers look for.
 _CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT = {
     torch.ops.aten.convolution.default: _extern_when_weight_is_symbolic(1, 8),
     torch.ops.aten.convolution_backward.default: _extern_when_weight_is_symbolic(2, 9),

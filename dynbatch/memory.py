@@ -1,4 +1,8 @@
-"""Stage 3b: the memory plan of each batched grad, from its traced backward.
+"""The memory plan of each batched grad, from its traced backward.
+
+With chunking.py, the part of the pipeline docs/design.md calls "Memory within
+a budget": not a numbered stage, but run by stage 4 (lowering.py), whose inner
+compiler hands each aten graph to :meth:`Planner.observe`.
 
 A batched backward holds B copies of every intermediate that depends on the
 cotangents, so its memory grows with B.  While AOTAutograd traces the batched
@@ -241,15 +245,11 @@ def _allocated_bytes(node: torch.fx.Node) -> sympy.Expr:
     return total
 
 
-def _pointwise(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
-
-
 def _fuses_into_its_user(node: torch.fx.Node) -> bool:
     """A pointwise op whose value, through views, is read by one pointwise op.  (Into a
     reduction Inductor fuses it too, unless their loop orders differ: counted, to stay an
     upper bound.)"""
-    if not _pointwise(node):
+    if not fx_utils.is_pointwise(node):
         return False
     users, todo = [], list(node.users)
     while todo:
@@ -258,7 +258,7 @@ def _fuses_into_its_user(node: torch.fx.Node) -> bool:
             todo.extend(user.users)
         else:
             users.append(user)
-    return len(users) == 1 and _pointwise(users[0])
+    return len(users) == 1 and fx_utils.is_pointwise(users[0])
 
 
 def _hints(vals) -> dict[sympy.Symbol, int]:
@@ -349,6 +349,9 @@ class Planner:
         self.estimates: dict[str, Estimate] = {}
         self.chunked: tuple[str, ...] = ()  # set by the backend once it lowers the chunked graph
         self.refused: dict[str, str] = {}  # grad -> why it cannot be chunked
+        # Dynamo graph nodes whose aten ops draw random numbers (None: one of unknown
+        # origin): a chunk program must not re-run them (chunking._check_rerunnable).
+        self.random_nodes: set[str | None] = set()
 
     @property
     def active(self) -> bool:
@@ -361,6 +364,7 @@ class Planner:
 
     def observe(self, gm: torch.fx.GraphModule, fused: bool = False) -> None:
         """Called by the inner compile on each aten graph: estimate, decide, maybe ask to re-lower."""
+        self.random_nodes |= fx_utils.random_op_origins(gm)
         found = observe(gm, fused)
         if not self.active or not found:
             return

@@ -1,25 +1,13 @@
-"""Aten-graph passes run before Inductor lowers dynbatch's batched graph."""
+"""Aten-graph passes run before Inductor lowers dynbatch's batched graph (stage 4, lowering)."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from . import _compat, matmul_kernels
+from . import _compat, fx_utils, matmul_kernels
 
 aten = torch.ops.aten
-
-
-def _is_pointwise(node: torch.fx.Node) -> bool:
-    target = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.pointwise in target.tags
-        # A random op on B expanded copies draws B samples; computed once it
-        # would draw one. Only deterministic ops may move past the expand.
-        and torch.Tag.nondeterministic_seeded not in target.tags
-    )
 
 
 def _expanded(node: torch.fx.Node) -> tuple[torch.fx.Node, list] | None:
@@ -54,10 +42,15 @@ def sink_expands(graph: torch.fx.Graph) -> int:
     on the unexpanded ones and be expanded after: layer_norm's x_hat = (x - mean) * rstd
     arrives as expand(x, [B, N, D]), expand(mean, [B, N, 1]), expand(rstd, [B, N, 1])
     (each under a ``clone``, itself pointwise, which its batching rule's ``.contiguous()`` adds).
+    Random ops stay: on B expanded copies they draw B samples, computed once they would draw one.
+
+    Coupled with batch_rules.gelu_backward, which keeps functorch's layout (the unbatched
+    operand expanded to [B, ...]) and leaves it to this pass to compute gelu'(x) once.
     """
     changed = 0
     for node in list(graph.nodes):
-        if not _is_pointwise(node) or any(isinstance(v, torch.fx.Node) for v in node.kwargs.values()):
+        if (not fx_utils.is_pointwise(node) or fx_utils.draws_random_numbers(node)
+                or any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())):
             continue
         tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
         sources = [_expanded(a) for a in tensors]

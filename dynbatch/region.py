@@ -1,5 +1,8 @@
 """The edge of the compiled region: what a grad taken *outside* a dynbatch graph gets.
 
+Not a numbered stage (docs/design.md, "The edge of the region"): the backend
+hands Dynamo each compiled graph inside a ``Region``.
+
 AOTAutograd's compiled backward is first-order and unbatched.  Called with
 ``create_graph=True`` it returns grads that depend on nothing when none of its
 saved tensors requires grad, and ``functional.hessian`` reads that as zeros;
@@ -242,11 +245,8 @@ class Program:
         try:
             if not batched:
                 return _spread(vjp([*inputs, *cotangents], others), needed)
-            # Detached inputs that do not require grad make the batched backward an
-            # inference graph (no second autograd layer around it) where Dynamo can
-            # trace requires_grad_() inside it (torch 2.12+).
-            leaf = (lambda t: t.detach()) if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else (
-                lambda t: t.detach().requires_grad_())
+            # NOTE [Leaves of dynbatch's programs] in requires_grad_tracing.py
+            leaf = requires_grad_tracing.program_input
             with torch.enable_grad():
                 return _spread(vjp.compiled([*(leaf(t) for t in inputs), *cotangents], list(others)), needed)
         except Exception as e:  # noqa: BLE001 - the eager path is always right
@@ -273,7 +273,9 @@ def _vjp_of(program: Callable, receives: tuple[bool, ...], needed: tuple[bool, .
     tests and indexing)."""
     def vjp(tensors, others):
         inputs, cotangents = tensors[:len(needed)], tensors[len(needed):]
-        if batched:  # inputs arrive detached (an inference graph): only the needed ones require grad
+        # Batched: inputs arrive detached (NOTE [Leaves of dynbatch's programs]); only the needed
+        # ones require grad.
+        if batched:
             inputs = [t.detach().requires_grad_() if n and not t.requires_grad else t for t, n in zip(inputs, needed)]
         outs = program(inputs, others)
         # An output that depends on none of the needed inputs has nothing to give them.

@@ -1,7 +1,7 @@
 """Dynamo traces ``requires_grad_()`` inside a dynbatch compile (stage 1, items 6 and 7).
 
-Two patches of Dynamo, entered by the capture scope, and the readers of what
-they leave in the graph:
+Two patches of Dynamo, entered by the capture scope, the readers of what
+they leave in the graph, and the leaves dynbatch's own programs take:
 - on torch 2.11, ``t.requires_grad_()`` of a tensor made inside the graph is
   traced as 2.13's Dynamo does (``x.detach().requires_grad_()``, and
   ``functional.jacobian``'s own call); ``leaks_traced_requires_grad`` finds the
@@ -9,7 +9,11 @@ they leave in the graph:
   runs those eagerly);
 - on every version, ``requires_grad_()`` of a graph input (a force model's
   ``pos.requires_grad_(True)``) marks the input's placeholder instead of
-  graph-breaking; the backend and the region read the mark.
+  graph-breaking; the backend and the region read the mark;
+- the programs dynbatch compiles itself (the region's batched backward, chunk
+  programs) make their own leaves where Dynamo traces ``requires_grad_()`` of
+  an intermediate natively (torch 2.12+) and take leaves before
+  (``program_input``, ``program_leaf``).
 Capture-stage logic, so not in ``_compat``, and kept beside capture.py, which
 enters it: like capture's other hooks, each patch reaches into Dynamo's own
 classes (``TensorVariable``, the instruction translators' opcode tables) and
@@ -25,6 +29,7 @@ import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
+import torch.fx
 
 from . import _compat
 
@@ -194,3 +199,31 @@ def leaks_traced_requires_grad(gm: Any) -> bool:
     flat = torch.utils._pytree.tree_leaves(output.args)
     return any(isinstance(o, torch.fx.Node) and o in tainted
                and getattr(o.meta.get("example_value"), "requires_grad", False) for o in flat)
+
+
+# NOTE [Leaves of dynbatch's programs]
+# The programs dynbatch compiles itself differentiate with respect to some of
+# their inputs.  Where Dynamo traces ``requires_grad_()`` of an intermediate
+# (torch 2.12+, _compat.DYNAMO_TRACES_REQUIRES_GRAD_), a program takes those
+# inputs detached and makes its own leaves inside (``x.detach().requires_grad_()``):
+# its compiled graph is then an inference graph, with no second autograd layer
+# around it.  On torch 2.11 Dynamo would graph-break there (our backport covers
+# user code, not graphs built by hand), so the caller passes leaves instead.
+# One policy, two sides: the caller's (``program_input``) and the graph's (``program_leaf``).
+
+def program_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the caller hands it to one of dynbatch's programs, where the program
+    differentiates with respect to it (NOTE [Leaves of dynbatch's programs])."""
+    return t.detach() if _compat.DYNAMO_TRACES_REQUIRES_GRAD_ else t.detach().requires_grad_()
+
+
+def program_leaf(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+    """The leaf a program's graph differentiates with respect to, made from its input
+    ``x`` (NOTE [Leaves of dynbatch's programs]): ``x`` itself where the caller passes leaves."""
+    if not _compat.DYNAMO_TRACES_REQUIRES_GRAD_:
+        return x
+    leaf = graph.call_method("detach", (x,))
+    # Later nodes read the tensor requires_grad_() changed in place, as user code does:
+    # Dynamo tracks the change on that tensor, not on the method's return value.
+    graph.call_method("requires_grad_", (leaf,))
+    return leaf
