@@ -472,7 +472,7 @@ print("ok")
 
 
 @pytest.mark.slow  # a check of PyTorch, not of dynbatch: a fresh process and a cold Inductor compile
-@pytest.mark.xfail(torch.__version__ < "2.14", strict=True, reason=INDUCTOR_TILE2D_ATOMIC_ADD_BUG)
+@pytest.mark.xfail(dynbatch._compat.TORCH_VERSION < (2, 14), strict=True, reason=INDUCTOR_TILE2D_ATOMIC_ADD_BUG)
 def test_inductor_tile2d_atomic_add_bug_is_pytorchs():
     """The bug behind INDUCTOR_TILE2D_ATOMIC_ADD_BUG, without dynbatch and without grads:
     stock backend="inductor" with two threads disagrees with eager (or corrupts the heap,
