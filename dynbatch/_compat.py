@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -561,6 +561,55 @@ def add_shape_guard(condition: Any) -> None:
     shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
     if shape_env is not None:
         shape_env.evaluate_expr(condition)
+
+
+def tracing_context() -> Any:
+    """Dynamo's tracing context of the frame being compiled (None outside a compile)."""
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get()
+
+
+@contextlib.contextmanager
+def in_tracing_context(context: Any) -> Iterator[None]:
+    """Re-enter a frame's tracing context after its compile (a lowering made later)."""
+    from torch._guards import tracing
+
+    with tracing(context):
+        yield
+
+
+def fake_example_inputs(context: Any, example_inputs: Sequence[Any]) -> list[Any]:
+    """The fake tensors AOTAutograd makes of a frame's example inputs (its fake mode
+    keeps them; the real tensors' symbolic contexts give them the frame's symbols)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake_mode, contexts = context.fake_mode, context.tensor_to_context
+
+    def fake(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+            return x
+        symbolic = contexts[x] if x in contexts else None
+        return fake_mode.from_tensor(x, symbolic_context=symbolic,
+                                     source=getattr(symbolic, "tensor_source", None), trace=False)
+
+    return [fake(x) for x in example_inputs]
+
+
+@contextlib.contextmanager
+def refusing_new_shape_guards(context: Any) -> Iterator[None]:
+    """Raise after the block if it guarded on the frame's sizes.  Once Dynamo has
+    installed a frame's guards its ShapeEnv is frozen: a new guard is ignored
+    (counted as "ignored_backward_guard", every supported torch), so code compiled
+    under it could be wrong where the guard would fail."""
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    if shape_env is None:
+        yield
+        return
+    ignored, guards = shape_env.counter["ignored_backward_guard"], len(shape_env.guards)
+    yield
+    if shape_env.counter["ignored_backward_guard"] > ignored or len(shape_env.guards) > guards:
+        raise RuntimeError("the lowering needed a new guard on the sizes, after the frame's guards were installed")
 
 
 def backed_hints(shape_env: Any) -> dict:

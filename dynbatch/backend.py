@@ -83,24 +83,61 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
     (NOTE [Chunked batched grads] in chunking.py)."""
     planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size)
     record.memory_budget = planner.budget
+    # A chunk program is compiled like this graph, without a budget.
+    unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None}
+    compile_program = functools.partial(_compile_like, mode=mode, options=unbudgeted, chunk_program=True)
+
+    def lower_chunked(grads: Sequence[str], inputs: Sequence[Any]) -> Callable[..., Any]:
+        chunked_gm, refused = chunking.chunk_grads(gm, batched_gm, grads, planner, compile_program)
+        planner.refused.update(refused)
+        planner.chunked = tuple(g for g in grads if g not in refused)
+        return lowering.lower(chunked_gm if planner.chunked else batched_gm, inputs, opts, record, planner)
+
     try:
         compiled = lowering.lower(batched_gm, example_inputs, opts, record, planner)
     except Exception as e:  # noqa: BLE001 - only a Replan is handled here
         replan = fx_utils.find_cause(e, memory.Replan)
         if replan is None:
             raise
-        # A chunk program is compiled like this graph, without a budget.
-        unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None}
-        compile_program = functools.partial(_compile_like, mode=mode, options=unbudgeted, chunk_program=True)
-        chunked_gm, refused = chunking.chunk_grads(gm, batched_gm, replan.grads, planner, compile_program)
-        planner.refused.update(refused)
-        planner.chunked = tuple(g for g in replan.grads if g not in refused)
         record.aten_graphs.clear()
         record.aten_node_counts.clear()
-        compiled = lowering.lower(chunked_gm if planner.chunked else batched_gm, example_inputs, opts, record,
-                                  planner)
+        compiled = lower_chunked(replan.grads, example_inputs)
+    else:
+        if planner.fits_while is not None:
+            compiled = _fused_while_it_fits(compiled, planner, example_inputs, record,
+                                            lambda inputs: lower_chunked(planner.grads_to_chunk(), inputs))
     record.memory_plan = planner.records()
     return compiled
+
+
+def _fused_while_it_fits(fused, planner: memory.Planner, example_inputs, record: CompileRecord,
+                         lower_chunked: Callable[[Sequence[Any]], Callable]) -> Callable[..., Any]:
+    """NOTE [One dynamic graph across the budget] in memory.py; a guard where the
+    sizes cannot be read off the arguments."""
+    context = _compat.tracing_context()
+    # Dynamo hands a backend the real example tensors; AOTAutograd fakes them with the
+    # frame's symbols.  Faked now, while new guards still count: later, one is ignored.
+    fakes = _compat.fake_example_inputs(context, example_inputs) if context is not None else None
+    fits = planner.fits_checker(fakes) if fakes is not None else None
+    if fits is None:
+        planner.guard_fits()
+        return fused
+
+    def lower_when_needed() -> Callable[..., Any]:
+        # The frame's guards are installed: the lowering runs in its tracing context,
+        # and one that would need a new guard on the sizes is refused (it would be ignored).
+        with _compat.in_tracing_context(context), capture.capture_scope(), \
+                _compat.refusing_new_shape_guards(context):
+            chunked = lower_chunked(fakes)
+        if not planner.chunked:
+            raise RuntimeError("; ".join(planner.refused.values()) or "no grad can be chunked")
+        record.memory_plan = planner.records()
+        STATS.add_chunked(record)
+        log.info("dynbatch: lowered the chunked program of a graph that stopped fitting its budget%s",
+                 _plan_text(record))
+        return chunked
+
+    return chunking.FusedWhileItFits(fused, fits, lower_when_needed)
 
 
 def _plan_text(record: CompileRecord) -> str:

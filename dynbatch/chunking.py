@@ -40,6 +40,7 @@ import inspect
 import logging
 import math
 import operator
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -191,6 +192,39 @@ def chunk_grads(
     return new_gm, refused
 
 
+class FusedWhileItFits:
+    """A dynamic graph's compiled program that keeps its batched grads fused while
+    a call's sizes fit the budget, and runs a chunked lowering of the same graph,
+    made at the first call that does not fit (NOTE [One dynamic graph across the
+    budget] in memory.py).  ``lower_chunked`` returns that program, or raises
+    where it cannot be made safely; the fused program then serves every call."""
+
+    def __init__(self, fused: Callable, fits: Callable[[Sequence[Any]], bool],
+                 lower_chunked: Callable[[], Callable]) -> None:
+        self.fused, self.fits, self._lower_chunked = fused, fits, lower_chunked
+        self.chunked: Callable | None = None
+        self.failed: str | None = None  # why there is no chunked program, once that is known
+        self._lock = threading.Lock()  # one lowering, whichever thread first needs it
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fits(args):
+            return self.fused(*args)
+        if self.chunked is None and self.failed is None:
+            self._lower_once()
+        return (self.chunked or self.fused)(*args)
+
+    def _lower_once(self) -> None:
+        with self._lock:
+            if self.chunked is not None or self.failed is not None:
+                return
+            try:
+                self.chunked = self._lower_chunked()
+            except Exception as e:  # noqa: BLE001 - the fused program is right at every size
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("dynbatch: a call's batched grads exceed the memory budget and could not be "
+                            "chunked (%s); running them unchunked", self.failed)
+
+
 def _has_effects(node: torch.fx.Node) -> bool:
     """What dead-code elimination must keep in a Dynamo graph: besides FX's impure nodes,
     in-place methods (``x.requires_grad_()`` is read through ``x``) and global-state calls."""
@@ -315,7 +349,7 @@ def _check_rerunnable(n: torch.fx.Node, upstream: set, random_nodes: set) -> Non
         raise Refused(f"{n.name} writes in place ({name})")
     if n.op == "call_function" and target in (operator.setitem,):
         raise Refused(f"{n.name} writes in place (setitem)")
-    if n.name in random_nodes:
+    if n.name in random_nodes or fx_utils.traced_name(n) in random_nodes:
         raise Refused(f"{n.name} draws random numbers ({name}); a re-run would draw others")
     if n.op == "call_function" and target is torch.autograd.grad:
         for x in _nodes(_bound(n)["inputs"]):

@@ -31,6 +31,15 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return new_gm
 
 
+def forget_cleared_sources(gm: torch.fx.GraphModule) -> None:
+    """AOTAutograd's cache clears ``_param_name_to_source`` while it keys a graph and
+    puts back what it found: None on our copies, which have none.  A second lowering
+    of the graph (after memory.Replan) would then read it as Dynamo's and look for
+    sources its inputs lack ("node l_x_ must have _dynamo_source attribute")."""
+    if hasattr(gm, "_param_name_to_source") and gm._param_name_to_source is None:
+        del gm._param_name_to_source
+
+
 def is_pointwise(node: torch.fx.Node) -> bool:
     """An aten graph's elementwise op (torch's ``pointwise`` op tag)."""
     return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
@@ -52,6 +61,14 @@ def random_op_origins(gm: torch.fx.GraphModule) -> set[str | None]:
         if draws_random_numbers(node):
             origins |= _origins(node)
     return origins
+
+
+def traced_name(node: torch.fx.Node) -> str:
+    """The name a Dynamo node had when its call was traced: the one its aten ops
+    carry as their origin.  Dynamo may rename the node after the variable the
+    result is assigned to (``h = dropout(x)`` is node ``h``, its origin ``dropout``)."""
+    stack = node.meta.get("source_fn_stack")
+    return stack[-1][0] if stack else node.name
 
 
 def _origins(node: torch.fx.Node) -> set[str | None]:

@@ -37,6 +37,7 @@ def lower(
     # retain_graph=True (region.py), which donated buffers forbid.  Torch's
     # deprecation warnings about its own internals are not the user's to see.
     planner = planner or memory.Planner(None, None)
+    fx_utils.forget_cleared_sources(gm)
     with (_compat.aot_config_patch(donated_buffer=False), torch_internal_deprecations_hidden(),
           memory.collecting() if planner.active else contextlib.nullcontext()):
         if options.inner_compiler == "inductor":

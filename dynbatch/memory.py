@@ -71,16 +71,21 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # it does eagerly.  Below it, the chunk loop's per-call overhead is not worth it.
 SEPARATE_ABOVE = 64 * 2**20
 
-# NOTE [Why a B sweep across the budget compiles three graphs]
+# NOTE [One dynamic graph across the budget]
 # A graph whose B is static knows whether its grads fit.  Once B is symbolic
-# (Dynamo's second graph), a graph that fits at its example B gets a guard
-# "fits", and the first B past the budget compiles a third graph, chunked, which
-# serves every B after it.  Running the second graph's grads through the chunk
-# loop from the start (one chunk while B fits) would save that compile, but
-# the grad then leaves the graph on every call: measured side by side (bench
-# `ab dynbatch.memory_budget=auto,256MiB`, one core, this project's CPU) the
-# sweep's calls took x1.9 at B = 4 and 16, x1.3 at 64, x1.04 at 1024, and HVPs
-# with K = 8 x2.2 -- every call paying for a compile only sweeps that cross pay.
+# (Dynamo's second graph), a graph that fits at its example B may meet a B that
+# does not.  A guard "fits" would compile a third graph there; running the grads
+# through the chunk loop from the start (one chunk while B fits) would save that
+# compile, but the grad then leaves the graph on every call: measured side by
+# side (bench `ab dynbatch.memory_budget=auto,256MiB`, one core, this project's
+# CPU) the sweep's calls took x1.9 at B = 4 and 16, x1.3 at 64, x1.04 at 1024,
+# and HVPs with K = 8 x2.2.  So the dynamic graph keeps both: its fused program
+# while the sizes of a call fit (the plan's peak, evaluated on the call's sizes),
+# and a chunked lowering of the same graph, made at the first call that does not
+# fit (chunking.FusedWhileItFits).  That lowering runs after Dynamo installed the
+# frame's guards; one that would need a new guard on the sizes is discarded and
+# the fused program serves every B, with a warning: memory over the budget,
+# never a wrong value.
 
 COTANGENT, GRAD = 0, 1  # marker roles
 
@@ -352,6 +357,9 @@ class Planner:
         # Dynamo graph nodes whose aten ops draw random numbers (None: one of unknown
         # origin): a chunk program must not re-run them (chunking._check_rerunnable).
         self.random_nodes: set[str | None] = set()
+        # (peak bytes, limit) where the unchunked graph fits at its example sizes but
+        # not at every size (NOTE [One dynamic graph across the budget]).
+        self.fits_while: tuple[sympy.Expr, int] | None = None
 
     @property
     def active(self) -> bool:
@@ -375,7 +383,7 @@ class Planner:
         wanted = self._wanted(found)
         if wanted:
             raise Replan(wanted)
-        self._guard_fits(found)
+        self._note_fits(found)
 
     def _wanted(self, found: dict[str, Estimate]) -> list[str]:
         candidates = [g for g in found if g not in self.refused]
@@ -392,21 +400,47 @@ class Planner:
             return candidates
         return []
 
-    def _guard_fits(self, found: dict[str, Estimate]) -> None:
-        """Not chunked because it fits: a larger B (or size) that would not fit must recompile."""
+    def _note_fits(self, found: dict[str, Estimate]) -> None:
+        """Not chunked because it fits: where a larger size would not, say where it stops."""
         if self.fixed_chunk is not None:
             return
         total = sum((e.peak() for e in found.values()), sympy.Integer(0))
         limit = min(self.budget, SEPARATE_ABOVE) if len(found) > 1 else self.budget
         if total.free_symbols:
+            self.fits_while = (total, limit)
+
+    def grads_to_chunk(self) -> list[str]:
+        """The grads a chunked lowering of this graph would chunk (as a Replan names them)."""
+        return [g for g in self.estimates if g not in self.refused]
+
+    def guard_fits(self) -> None:
+        """The frame recompiles where the sizes stop fitting (when no switch can be built)."""
+        if self.fits_while is not None:
+            total, limit = self.fits_while
             _compat.add_shape_guard(sympy.Le(total, limit))
+
+    def fits_checker(self, args: Sequence[Any]) -> Callable[[Sequence[Any]], bool] | None:
+        """A check of real arguments shaped like ``args``: does the unchunked graph fit?
+        None where a size it depends on cannot be read off the arguments."""
+        total, limit = self.fits_while
+        symbols = tuple(sorted(total.free_symbols, key=str))
+        where = _where(symbols, args)
+        if len(where) < len(symbols):
+            return None
+        evaluate = fx_utils.compile_sympy(symbols, [total])
+
+        def fits(real_args: Sequence[Any]) -> bool:
+            values = (_read(real_args, *where[s]) for s in symbols)
+            return evaluate(*values)[0] <= limit
+
+        return fits
 
     def records(self) -> list[GradPlan]:
         plans = []
         for grad, estimate in self.estimates.items():
             per_sample, batch = estimate.bytes_per_sample(), estimate.example_batch()
             if grad in self.chunked:
-                chunk = min(batch, self.chunk_size(estimate))
+                chunk = self.chunk_size(estimate)
                 plans.append(GradPlan(grad, per_sample, batch, chunk, math.ceil(batch / chunk), True))
             else:
                 reason = self.refused.get(grad) or ("fits the budget" if self.active else "no budget")
@@ -431,6 +465,16 @@ def resolve_budget(budget: int | str | None, example_inputs: Sequence[Any]) -> i
 def binder(estimate: Estimate, args: Sequence[Any]) -> Callable[[Sequence[Any]], dict[sympy.Symbol, int]]:
     """Where each size symbol of ``estimate`` can be read off real arguments shaped like ``args``."""
     wanted = {s for e in estimate.live for s in e.free_symbols} | estimate.batch.free_symbols
+    where = _where(wanted, args)
+
+    def bind(real_args: Sequence[Any]) -> dict[sympy.Symbol, int]:
+        return {s: _read(real_args, i, d) for s, (i, d) in where.items()}
+
+    return bind
+
+
+def _where(wanted, args: Sequence[Any]) -> dict[sympy.Symbol, tuple[int, int | None]]:
+    """Symbol -> (argument, dim) of its first plain occurrence (dim None: a SymInt argument)."""
     where = {}
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
@@ -442,8 +486,8 @@ def binder(estimate: Estimate, args: Sequence[Any]) -> Callable[[Sequence[Any]],
             expr = sympy.sympify(a)
             if isinstance(expr, sympy.Symbol) and expr in wanted and expr not in where:
                 where[expr] = (i, None)
+    return where
 
-    def bind(real_args: Sequence[Any]) -> dict[sympy.Symbol, int]:
-        return {s: int(real_args[i] if d is None else real_args[i].shape[d]) for s, (i, d) in where.items()}
 
-    return bind
+def _read(real_args: Sequence[Any], i: int, d: int | None) -> int:
+    return int(real_args[i] if d is None else real_args[i].shape[d])

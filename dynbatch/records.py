@@ -75,5 +75,10 @@ class Stats:
             if chunked:
                 self.counters["grads_chunked"] += chunked
 
+    def add_chunked(self, record: CompileRecord) -> None:
+        """A graph compiled earlier whose grads a later call's sizes made chunked."""
+        with self._lock:
+            self.counters["grads_chunked"] += sum(p.applied for p in record.memory_plan)
+
 
 STATS = Stats()

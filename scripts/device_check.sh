@@ -4,8 +4,14 @@
 # benchmark to $OUT/bench/ (written after every problem, so a run stopped at its
 # limit still returns what it measured; the device tool returns at most 8 files).
 # carry: .whl (the expecttest wheel; docs/testing.md).
-#   PHASES="bench" (default): the CUDA benchmark, every workload, the newest first
-#       (BENCH_ARGS replaces the default arguments below).
+#   PHASES="bench" (default): the CUDA benchmark, WORKLOADS (default every one, the
+#       newest first) and VARIANTS (default the columns that can be the best other:
+#       eager_loop, eager_vmap_chunked and stock_compile, never the fastest on CUDA, are
+#       left out to fit; errors are then read against eager_batched); BENCH_ARGS
+#       replaces all of it.  Every workload takes about 11 minutes on an H200, so a
+#       full run is two calls on one lease (docs/benchmarks.md, "CUDA results"):
+#         PHASES="tests bench" BENCH_TIMEOUT=400 WORKLOADS=force_training,full_hessian,sweep
+#         PHASES=bench BENCH_TIMEOUT=330 WORKLOADS=attention,hessian,lj_forces,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel
 #       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
 #       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
@@ -26,12 +32,11 @@ DEVICE="${DEVICE:-cuda}"
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o addopts= -m "not slow")
 workers() { python3 -c "import xdist" 2>/dev/null && echo "-n $1"; }  # pytest-xdist, where installed
 TESTS="${TESTS:-tests/test_cuda.py}"
-# Every workload and every column but dynbatch_budget (issue 26's), the newest
-# workloads first; --warm-cache: columns that generate the same kernels share them
-# (first calls then under-report compile time; the steady times are unaffected).
-BENCH_ARGS="${BENCH_ARGS:---min-time 0.1 --warm-cache --stock-workloads sweep --stock-timeout 30
-  --workloads force_training,full_hessian,sweep,attention,hessian,lj_forces,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian
-  --variants eager_loop,eager_batched,eager_vmap,eager_vmap_chunked,stock_compile,compiled_func,dynbatch,dynbatch_cudagraphs,dynbatch_outside,jax}"
+# --warm-cache: columns that generate the same kernels share them (first calls then
+# under-report compile time; the steady times are unaffected).
+WORKLOADS="${WORKLOADS:-force_training,full_hessian,sweep,attention,hessian,lj_forces,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian}"
+VARIANTS="${VARIANTS:-eager_batched,eager_vmap,compiled_func,dynbatch,dynbatch_cudagraphs,dynbatch_outside,jax}"
+BENCH_ARGS="${BENCH_ARGS:---min-time 0.1 --warm-cache --workloads $WORKLOADS --variants $VARIANTS}"
 
 for phase in ${PHASES:-bench}; do
   case "$phase" in

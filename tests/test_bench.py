@@ -173,6 +173,9 @@ def test_quick_settings_and_flags(tmp_path):
     with pytest.raises(variants.VariantUnavailable, match="CUDA"):
         variants.build("dynbatch_cudagraphs", workloads.build("sweep", "quick", None, torch.device("cpu"), None)[0],
                        torch.device("cpu"))
+    # A run that leaves the loop out reads its errors against the first column it runs.
+    assert settings_from(parse_args([])).reference == "eager_loop"
+    assert settings_from(parse_args(["--variants", "jax,dynbatch,eager_vmap"])).reference == "eager_vmap"
     s = settings_from(parse_args(["--workloads", "full_hessian", "--atoms", "100,200"]))
     assert s.workloads == ("full_hessian",) and s.atoms == (100, 200) and s.tier == "cpu"
     with pytest.raises(SystemExit):

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ import torch.autograd.functional as AF
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynbatch
-from dynbatch import memory
+from dynbatch import _compat, chunking, memory
 from dynbatch.bench.measure import _profiled_peak
 from dynbatch.options import Options, parse_memory_budget
 from conftest import DEFAULTS, assert_same_grads, compile_dynbatch, loop_grads
@@ -266,17 +267,39 @@ def test_functional_hessian_within_a_budget():
 
 
 @pytest.mark.parametrize("budget", ["auto", 20_000])
-def test_a_graph_that_fits_keeps_the_grad_and_recompiles_chunked_when_b_grows(budget, monkeypatch):
-    """NOTE [Why a B sweep across the budget compiles three graphs]."""
+def test_a_b_sweep_across_the_budget_keeps_one_dynamic_graph(budget, monkeypatch):
+    """NOTE [One dynamic graph across the budget]: the dynamic graph runs fused while B
+    fits and chunked past it, without a third graph."""
     monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 20_000)  # "auto" on the CPU: the cap
     x = torch.randn(4, 16)
     f = compile_dynbatch(jacobian, options={"dynbatch.memory_budget": budget})
-    for b in (4, 6, 300, 5):
+    for b in (4, 6, 300, 5, 301):
         V = torch.randn(b, 4, 16)
         assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
-    first, dynamic, grown = plans()
-    assert not first.applied and not dynamic.applied and grown.applied
-    assert dynbatch.counters()["graphs"] == 3
+        if b == 6:
+            assert not any(p.applied for p in plans()), "B = 6 fits: fused"
+    first, dynamic = plans()
+    assert not first.applied and dynamic.applied and dynamic.chunk_size < 300
+    c = dynbatch.counters()
+    assert c["graphs"] == 2 and c["grads_chunked"] == 1 and not c.get("fallbacks"), c
+    dynamic_graph = [r for r in dynbatch.compile_records() if not r.chunk_program][-1]
+    switch = dynamic_graph.region().compiled
+    assert isinstance(switch, chunking.FusedWhileItFits) and switch.chunked is not None and switch.failed is None
+
+
+def test_the_fused_program_serves_where_the_chunked_one_cannot_be_made(monkeypatch, caplog):
+    def refuse(self, *args):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(chunking, "chunk_grads", lambda *a, **k: refuse(None))
+    x = torch.randn(4, 16)
+    f = compile_dynbatch(jacobian, options={"dynbatch.memory_budget": 20_000})
+    with caplog.at_level(logging.WARNING, logger="dynbatch"):
+        for b in (4, 6, 300):
+            V = torch.randn(b, 4, 16)
+            assert_same_grads(f(x, V), eager_jacobian(x, V), msg=f"B={b}")
+    assert "could not be chunked (RuntimeError: no)" in caplog.text
+    assert dynbatch.counters()["graphs"] == 2
 
 
 def test_several_grads_and_a_user_loop_over_chunks():
@@ -334,6 +357,22 @@ def test_random_ops_before_the_grad_are_not_rerun_per_chunk():
     assert not plan.applied and "random" in plan.reason
 
 
+@pytest.mark.parametrize("options", [{}, DEFAULTS], ids=["default", "inductor"])
+def test_a_random_op_whose_node_is_named_for_its_variable_is_not_rerun(options):
+    """Dynamo names a node after the variable it is assigned to (``h``); its aten ops
+    name their origin by the traced call (``dropout``).  One mask for every row, as eager."""
+    def f(x, V):
+        x = x.detach().requires_grad_()
+        h = torch.nn.functional.dropout(x, 0.5, training=True)
+        return grad(torch.tanh(torch.tanh(h @ W) @ W), x, V, is_grads_batched=True)[0]
+
+    x, v = torch.randn(4, 16), torch.randn(1, 4, 16)
+    out = compile_dynbatch(f, options={**options, "dynbatch.chunk_size": 2})(x, v.expand(9, 4, 16))
+    assert all(torch.equal(out[0], row) for row in out), "a mask per chunk"
+    (plan,) = plans()
+    assert not plan.applied and "h draws random numbers" in plan.reason, plan
+
+
 def test_inner_grad_upstream_of_the_inputs_is_refused():
     def f(x0, V):
         x0 = x0.detach().requires_grad_()
@@ -370,6 +409,39 @@ def test_budgeted_inductor_call_peaks_within_the_budget():
     output = 180 * 60 * 3 * 4
     assert budgeted <= 1.25 * budget + output, (budgeted, unbudgeted)
     assert unbudgeted > 2 * budget  # the budget did bind
+
+
+def test_a_lowering_after_the_frame_guards_may_not_add_one():
+    """A late lowering's new guard would be ignored by the frozen ShapeEnv: refused."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    b = env.create_symintnode(env.create_symbol(5, source=ConstantSource("b"), dynamic_dim=DimDynamic.DYNAMIC),
+                              hint=5)
+    context = types.SimpleNamespace(fake_mode=types.SimpleNamespace(shape_env=env))
+    env.freeze()
+    with _compat.refusing_new_shape_guards(context):
+        assert b + 1 == b + 1  # no guard
+    with pytest.raises(RuntimeError, match="new guard on the sizes"):
+        with _compat.refusing_new_shape_guards(context):
+            bool(b > 3)
+
+
+def test_a_dynamic_graph_that_stops_fitting_peaks_within_the_budget():
+    """NOTE [One dynamic graph across the budget], under Inductor: the chunked lowering
+    made at the first call past the budget holds that call to it."""
+    pos = lattice(60)
+    V = torch.eye(180).view(180, 60, 3)
+    budget = 2 * 2**20
+    f = compile_dynbatch(hessian_rows, options={**DEFAULTS, "dynbatch.memory_budget": budget})
+    for b in (4, 6):
+        assert_same_grads(f(pos, V[:b]), eager_rows(pos, V[:b]), atol=1e-4, rtol=1e-4)
+    assert not any(p.applied for p in plans())
+    peak = _peak(f, pos, V)
+    assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    assert dynbatch.counters()["graphs"] == 2 and [p.applied for p in plans()] == [False, True]
+    assert peak <= 1.25 * budget + 180 * 60 * 3 * 4, peak
 
 
 def test_user_loop_of_batched_grads_peaks_at_one_grad_not_all(monkeypatch):
