@@ -431,3 +431,23 @@ def test_memory_budget_bounds_the_cuda_peak_and_auto_reads_free_memory():
     output = 180 * 60 * 3 * 4
     assert peak <= 1.25 * budget + output, (peak, peak_unbudgeted)
     assert peak_unbudgeted > 2 * budget, (peak, peak_unbudgeted)  # the budget did bind
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_a_b_sweep_across_the_budget_keeps_one_dynamic_graph_on_cuda(mode):
+    """NOTE [One dynamic graph across the budget]: fused while B fits, the chunked
+    lowering made at the first B past the budget holds that call to it."""
+    from test_memory_budget import lattice
+
+    pos = lattice(60).cuda()
+    V = torch.eye(180, device="cuda").view(180, 60, 3)
+    budget = 2 * 2**20
+    f = torch.compile(_lj_hessian_rows, backend="dynbatch", fullgraph=True, mode=mode,
+                      options={"dynbatch.memory_budget": budget})
+    for b in (4, 6):
+        assert_same_grads(f(pos, V[:b]), _lj_hessian_rows(pos, V[:b]), atol=1e-3, rtol=1e-4)
+    got, peak = _cuda_peak_growth(f, pos, V)
+    assert_same_grads(got, _lj_hessian_rows(pos, V), atol=1e-3, rtol=1e-4)
+    c = dynbatch.counters()
+    assert c["graphs"] == 2 and c.get("grads_chunked") == 1 and not c.get("fallbacks"), c
+    assert peak <= 1.25 * budget + 180 * 60 * 3 * 4, peak
