@@ -72,13 +72,14 @@ def traced_name(node: torch.fx.Node) -> str:
 
 
 def _origins(node: torch.fx.Node) -> set[str | None]:
-    stack = node.meta.get("source_fn_stack")
-    if stack:
-        return {stack[-1][0]}
+    if node.meta.get("source_fn_stack"):
+        return {traced_name(node)}
     # Inductor's seed op (inductor_seeds, added by its joint-graph passes) has none: it
     # feeds the ops that replaced the graph's random ops, each with its origin.
-    readers = [user.meta.get("source_fn_stack") for user in node.users]
-    return {s[-1][0] for s in readers} if readers and all(readers) else {None}
+    readers = list(node.users)
+    if readers and all(user.meta.get("source_fn_stack") for user in readers):
+        return {traced_name(user) for user in readers}
+    return {None}
 
 
 def graph_output_count(gm: Any) -> int:
