@@ -15,7 +15,8 @@
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel
 #       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
 #       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
-#       `python -m dynbatch.bench overhead`.
+#       `python -m dynbatch.bench overhead` (OVERHEAD_ARGS replaces its arguments, e.g.
+#       "--workloads hessian,sweep --variants compiled_func,dynbatch,dynbatch_outside").
 #   PHASES="bench tests": both, in that order.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -55,8 +56,9 @@ for phase in ${PHASES:-bench}; do
     tail -3 /tmp/pytest.log; tail -3 /tmp/opinfo.log; grep -E "^(FAILED|ERROR)" /tmp/pytest.log /tmp/opinfo.log | head -30
     if [ "${OVERHEAD_TIMEOUT:-0}" -gt 1 ]; then
       section call overhead
-      timeout "$OVERHEAD_TIMEOUT" python3 -m dynbatch.bench overhead --device "$DEVICE" --batch-sizes 1,4,16 \
-        >> "$LOG" 2>&1
+      # shellcheck disable=SC2086 - OVERHEAD_ARGS is a list of words
+      timeout "$OVERHEAD_TIMEOUT" python3 -m dynbatch.bench overhead --device "$DEVICE" \
+        ${OVERHEAD_ARGS:---batch-sizes 1,4,16} >> "$LOG" 2>&1
     fi
     ;;
   bench)
