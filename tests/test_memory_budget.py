@@ -328,6 +328,21 @@ def test_grads_outside_the_region_within_a_budget():
     assert any(p.applied for p in plans())
 
 
+def test_a_b_sweep_of_grads_outside_the_region_across_the_budget():
+    """The region's batched backward is a program compiled like any graph: across the
+    budget it keeps its two graphs too (NOTE [One dynamic graph across the budget])."""
+    x = torch.randn(4, 16, requires_grad=True)
+    f = compile_dynbatch(lambda x: torch.tanh(torch.tanh(x @ W) @ W), options={"dynbatch.memory_budget": 2000},
+                         fullgraph=False)
+    for b in (2, 3, 40, 4, 41):
+        V = torch.randn(b, 4, 16)
+        out = grad(f(x), x, V, is_grads_batched=True)[0]
+        assert_same_grads(out, loop_grads(torch.tanh(torch.tanh(x @ W) @ W), x, V)[0], msg=f"B={b}")
+    c = dynbatch.counters()
+    # the region's graph, then its batched backward's static and dynamic graphs
+    assert c["graphs"] == 3 and c["outside_batched_compiled"] == 5 and c.get("grads_chunked") == 1, c
+
+
 # --- what is not chunked, and why ---------------------------------------------------
 
 def test_create_graph_batched_grad_runs_unchunked_and_stays_differentiable():
