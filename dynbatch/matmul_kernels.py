@@ -1,26 +1,37 @@
-"""The CPU kernel of dynbatch's batched matrix products, chosen by measurement.
+"""The CPU kernel of dynbatch's matrix products, chosen by measurement.
 
 NOTE [CPU matmul kernels]
-A batched backward through a linear layer multiplies the [B*N, n] cotangent by
-the weight, ``aten.mm(g, W.t())``: one tall product whose height grows with B.
 Inductor hands every CPU ``mm`` to ATen, which calls the BLAS torch was built
-with (MKL on x86).  oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``,
-which computes ``a @ w.t()`` with ``w`` as stored) blocks tall products
-better on some CPUs and is slower on short ones, where its per-call setup
-dominates.  On the 2-core AMD EPYC dynbatch is developed on, one thread,
-float32, oneDNN over MKL: 0.72-0.93x the time from M = 1024 (K = N = 128 and
-512), but up to 5x at M = 8 (docs/design.md, "Stage 4 — lowering").  "auto", the default,
-takes the faster per shape.  Which kernel wins depends on the CPU, the
-shape and the thread count, so it is measured, not assumed: the first
-product of each (power-of-two bucket of M, K, N, dtype, threads) runs both
-kernels on its real operands, a few times each, and the faster is remembered
-for the rest of the process.  Both compute the same product in float32; they
-differ only in rounding (the order of the sums).
+with (MKL on x86), in the operands' layout.  Which kernel and which layout is
+fastest depends on the shape, and the shapes of backward graphs are extreme:
+
+- a batched backward through a linear layer multiplies the [B*N, n] cotangent by
+  the weight, ``mm(g, W.t())``: oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``,
+  which computes ``a @ w.t()`` with ``w`` [N, K] as stored) blocks such tall
+  products better on some CPUs and is slower on short ones, where its per-call
+  setup dominates.  On the 2-core AMD EPYC dynbatch is developed on, one thread,
+  float32, oneDNN over MKL: 0.72-0.93x the time from M = 1024 (K = N = 128 and
+  512), but up to 5x at M = 8 (docs/design.md, "Stage 4 — lowering");
+- a weight grad ``mm(g.t(), x)`` reduces over the long dim: [32, 65536] @
+  [65536, 8] takes MKL 4 ms in that orientation and 0.6 ms computed as
+  ``mm(x.t(), g).t()`` (the same sums, the transposed product); a tall product
+  with a short output, [65536, 32] @ [32, 8], 2.4 ms against 0.7 ms the same way
+  (force training's pair potential has both, twice per step).
+
+So a product has up to three kernels (``KERNELS``): ATen's as given, ATen's on
+the transposed problem (``flipped``, its result copied back to row-major), and
+oneDNN's where it applies (float32, ``a`` contiguous, ``b.t()`` contiguous or
+small enough to copy).  "auto", the default, takes the fastest per shape.  It
+is measured, not assumed: the first product of each (power-of-two buckets of
+M, K and N, operand layouts, dtype, threads) runs every applicable kernel on its
+real operands, a few times each, and the fastest is remembered for the rest of
+the process.  They compute the same product and differ only in rounding (the
+order of the sums).
 
 Inductor lowers ``_linear_pointwise`` only for a weight it has frozen into a
-constant, and M is symbolic here, so the choice is a custom op,
-``dynbatch::linear_nt``.  Inductor lowers it (``lowerings()``) to a plain call of
-``linear_nt`` from its generated code, as it calls ``mm``: an extern call of the
+constant, and sizes are symbolic here, so the choice is a custom op,
+``dynbatch::mm``.  Inductor lowers it (``lowerings()``) to a plain call of
+``mm`` from its generated code, as it calls ``aten.mm``: an extern call of the
 op itself would go through the dispatcher's Python kernel, 10-20 us a product.
 That lowering builds Inductor's IR nodes here (``extern_alloc_lowering``): with
 oneDNN's ``_linear_pointwise``, the private torch APIs this module uses itself,
@@ -43,32 +54,44 @@ from . import _compat, fail_soft
 log = logging.getLogger("dynbatch")
 
 # Options.cpu_matmul: "auto" measures; "aten" leaves every product to ATen;
-# "onednn" takes oneDNN wherever it applies (for tests and comparisons).
-CHOICES = ("auto", "aten", "onednn")
+# "flipped" and "onednn" take that kernel wherever it applies (for tests and comparisons).
+CHOICES = ("auto", "aten", "flipped", "onednn")
 # Timed calls of each kernel in a measurement, after one untimed call that
 # builds oneDNN's primitive and warms the caches (the minimum is compared).
 TRIALS = 5
-# Products shorter than this stay with ATen unmeasured.  Inside the programs,
-# on the 2-core AMD EPYC, one thread, oneDNN over MKL (forced, timed interleaved):
-# M = 512 1.05-1.09x (three A/Bs), M = 1024 0.93-1.02x (nine), though oneDNN
-# alone is 0.96x at 512: a first-call measurement would pick it there and lose.
-# On the earlier host M = 1024 was a coin flip (1.08x at K = N = 128, 0.86x at
-# 512), which the measurement decides at a cost of a few percent either way.
+# Products with M and K both shorter than this stay with ATen unmeasured.  Inside
+# the programs, on the 2-core AMD EPYC, one thread, oneDNN over MKL (forced, timed
+# interleaved): M = 512 1.05-1.09x (three A/Bs), M = 1024 0.93-1.02x (nine),
+# though oneDNN alone is 0.96x at 512: a first-call measurement would pick it
+# there and lose.  On the earlier host M = 1024 was a coin flip (1.08x at
+# K = N = 128, 0.86x at 512), which the measurement decides at a cost of a few
+# percent either way.  The flipped orientation gains from K or M of several
+# thousand on ([32, 8192] @ [8192, 8]: 0.08 ms against 0.30).
 MIN_ROWS = 1024
+# oneDNN takes the second operand as w = b.t() [N, K] contiguous: copied first
+# when it is not, if it has at most this many elements (a weight, not an activation).
+COPY_LIMIT = 1 << 16
 
 _chosen: dict[tuple, str] = {}
 _lock = threading.Lock()
 
 
-def aten_nt(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.mm(a, w.t())
+def aten(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b)
 
 
-def onednn_nt(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+def flipped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(b.t(), a.t()).t().contiguous()
 
 
-KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"aten": aten_nt, "onednn": onednn_nt}
+def onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    w = b.t()
+    return torch.ops.mkldnn._linear_pointwise(a, w if w.is_contiguous() else w.contiguous(), None, "none", [], "")
+
+
+# name -> kernel(a, b) computing a @ b, as a new contiguous matrix.
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "aten": aten, "flipped": flipped, "onednn": onednn}
 
 
 @functools.cache
@@ -76,47 +99,70 @@ def onednn_available() -> bool:
     return bool(getattr(torch._C, "_has_mkldnn", False)) and torch.backends.mkldnn.is_available()
 
 
-def onednn_applies(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """oneDNN's linear takes dense float32 CPU matrices, ``a`` [M, K] and ``w`` [N, K]."""
-    return (a.device.type == "cpu" and a.dtype == torch.float32 == w.dtype and a.dim() == 2 == w.dim()
-            and a.shape[0] > 0 and a.is_contiguous() and w.is_contiguous() and onednn_available())
+def applies(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether kernel ``name`` computes ``a @ b`` (ATen's always does)."""
+    if name == "aten":
+        return True
+    if a.device.type != "cpu" or a.dim() != 2 or b.dim() != 2 or a.numel() == 0 or b.numel() == 0:
+        return False
+    if name == "flipped":
+        return a.dtype in (torch.float32, torch.float64)
+    return (a.dtype == torch.float32 == b.dtype and a.is_contiguous() and onednn_available()
+            and (b.t().is_contiguous() or b.numel() <= COPY_LIMIT))
 
 
-def shape_key(m: int, k: int, n: int, dtype: torch.dtype) -> tuple:
-    # Neighbouring heights share a kernel: M's power-of-two bucket, not M itself,
-    # so a sweep over B measures a handful of times, not once per B.
-    return (m.bit_length(), k, n, dtype, torch.get_num_threads())
+def layout(t: torch.Tensor) -> str:
+    """"r" row-major, "c" column-major (a transposed view), "x" neither."""
+    if t.stride(-1) == 1:
+        return "r"
+    return "c" if t.stride(0) == 1 else "x"
 
 
-def linear_nt(a: torch.Tensor, w: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
-    """``a @ w.t()`` by the kernel ``kernel`` names, or by the measured faster one ("auto")."""
-    if kernel == "aten" or (kernel == "auto" and a.shape[0] < MIN_ROWS) or not onednn_applies(a, w):
-        return KERNELS["aten"](a, w)
-    if kernel == "onednn":
-        return KERNELS["onednn"](a, w)
-    key = shape_key(a.shape[0], a.shape[1], w.shape[0], a.dtype)
+def shape_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    # Neighbouring sizes share a kernel: power-of-two buckets, not the sizes, so a
+    # sweep over B (in M or in K) measures a handful of times, not once per B.
+    m, k = a.shape
+    n = b.shape[1]
+    return (m.bit_length(), k.bit_length(), n.bit_length(), layout(a), layout(b), a.dtype,
+            torch.get_num_threads())
+
+
+def tall(m: int, k: int) -> bool:
+    """Worth measuring: short products stay with ATen (the routed call costs more than it could win)."""
+    return max(m, k) >= MIN_ROWS
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+    """``a @ b`` by the kernel ``kernel`` names (ATen's where that does not apply), or by
+    the measured fastest ("auto")."""
+    if kernel != "auto":
+        return KERNELS[kernel if applies(kernel, a, b) else "aten"](a, b)
+    if not tall(a.shape[0], a.shape[1]):
+        return KERNELS["aten"](a, b)
+    key = shape_key(a, b)
     name = _chosen.get(key)
     if name is not None:
-        return KERNELS[name](a, w)
-    name, out = measure(a, w)
+        return KERNELS[name](a, b)
+    name, out = measure(a, b)
     with _lock:
         _chosen.setdefault(key, name)
     return out
 
 
-def measure(a: torch.Tensor, w: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """Time both kernels on these operands, alternating (a drifting machine slows
-    both alike); return the faster one's name and a product it computed."""
-    best = {name: float("inf") for name in KERNELS}
-    outs = {name: kernel(a, w) for name, kernel in KERNELS.items()}
+def measure(a: torch.Tensor, b: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Time the kernels that apply on these operands, alternating (a drifting machine
+    slows all alike); return the fastest one's name and a product it computed."""
+    kernels = {name: kernel for name, kernel in KERNELS.items() if applies(name, a, b)}
+    best = {name: float("inf") for name in kernels}
+    outs = {name: kernel(a, b) for name, kernel in kernels.items()}
     for _ in range(TRIALS):
-        for name, kernel in KERNELS.items():
+        for name, kernel in kernels.items():
             start = time.perf_counter()
-            outs[name] = kernel(a, w)
+            outs[name] = kernel(a, b)
             best[name] = min(best[name], time.perf_counter() - start)
     name = min(best, key=best.get)
-    log.debug("dynbatch: CPU matmul [%d, %d] @ [%d, %d].T %s, %d threads: %s (%s)", a.shape[0], a.shape[1],
-              w.shape[0], w.shape[1], a.dtype, torch.get_num_threads(), name,
+    log.debug("dynbatch: CPU matmul [%d, %d] @ [%d, %d] (%s%s) %s, %d threads: %s (%s)", *a.shape, *b.shape,
+              layout(a), layout(b), a.dtype, torch.get_num_threads(), name,
               ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in best.items()))
     return name, outs[name]
 
@@ -132,21 +178,30 @@ def forget() -> None:
         _chosen.clear()
 
 
-def choice_for_static_shape(m: int, k: int, n: int, dtype: torch.dtype, kernel: str) -> str:
-    """The kernel a product of known sizes gets, measured on random operands of its shape
-    when ``kernel`` is "auto" (the compile-time twin of ``linear_nt``'s run-time choice)."""
-    if dtype != torch.float32 or m == 0 or not onednn_available():
+def operands(m: int, k: int, n: int, dtype: torch.dtype, layouts: str = "rr") -> tuple[torch.Tensor, torch.Tensor]:
+    """Random operands [m, k] and [k, n] in the given layouts ("r" row-major, "c" a transposed view)."""
+    a = torch.randn(m, k, dtype=dtype) if layouts[0] != "c" else torch.randn(k, m, dtype=dtype).t()
+    b = torch.randn(k, n, dtype=dtype) if layouts[1] != "c" else torch.randn(n, k, dtype=dtype).t()
+    return a, b
+
+
+def choice_for_static_shape(m: int, k: int, n: int, dtype: torch.dtype, kernel: str,
+                            layouts: str = "rr") -> str:
+    """The kernel a product of known sizes and layouts gets, measured on random operands
+    when ``kernel`` is "auto" (the compile-time twin of ``mm``'s run-time choice)."""
+    if m == 0 or k == 0 or n == 0:
         return "aten"
-    if kernel != "auto":
-        return kernel
-    if m < MIN_ROWS:
-        return "aten"
-    key = shape_key(m, k, n, dtype)
-    if key not in _chosen:
-        with _compat.real_tensors():
-            name, _ = measure(torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype))
-        with _lock:
-            _chosen.setdefault(key, name)
+    with _compat.real_tensors():
+        a, b = operands(m, k, n, dtype, layouts)
+        if kernel != "auto":
+            return kernel if applies(kernel, a, b) else "aten"
+        if not tall(m, k):
+            return "aten"
+        key = shape_key(a, b)
+        if key not in _chosen:
+            name, _ = measure(a, b)
+            with _lock:
+                _chosen.setdefault(key, name)
     return _chosen[key]
 
 
@@ -156,32 +211,32 @@ _library: torch.library.Library | None = None
 
 
 def op() -> torch._ops.OpOverload:
-    """``dynbatch::linear_nt(Tensor a, Tensor w, str kernel) -> Tensor``, registered on first use
+    """``dynbatch::mm(Tensor a, Tensor b, str kernel) -> Tensor``, registered on first use
     (importing dynbatch registers nothing)."""
     global _library
     with _lock:
         if _library is None:
             lib = torch.library.Library("dynbatch", "DEF")
-            lib.define("linear_nt(Tensor a, Tensor w, str kernel) -> Tensor")
-            lib.impl("linear_nt", linear_nt, "CPU")
-            torch.library.register_fake("dynbatch::linear_nt", _linear_nt_fake, lib=lib)
+            lib.define("mm(Tensor a, Tensor b, str kernel) -> Tensor")
+            lib.impl("mm", mm, "CPU")
+            torch.library.register_fake("dynbatch::mm", _mm_fake, lib=lib)
             _library = lib
-    return torch.ops.dynbatch.linear_nt.default
+    return torch.ops.dynbatch.mm.default
 
 
-EXTERN_NAME = "dynbatch_linear_nt"  # extern_kernels.<this> in Inductor's generated code
+EXTERN_NAME = "dynbatch_mm"  # extern_kernels.<this> in Inductor's generated code
 
 
 def register() -> None:
     """The op and the extern kernel, before any graph that calls them compiles or loads."""
     op()
-    _compat.register_extern_kernel(EXTERN_NAME, linear_nt)
+    _compat.register_extern_kernel(EXTERN_NAME, mm)
 
 
 def lowerings() -> dict:
-    """Inductor's lowering of the op (it has none): ``extern_kernels.dynbatch_linear_nt(a, w, kernel)``,
+    """Inductor's lowering of the op (it has none): ``extern_kernels.dynbatch_mm(a, b, kernel)``,
     in the form ``_compat.inductor_lowerings`` takes."""
-    return {op(): lambda op, _none: extern_alloc_lowering(op, EXTERN_NAME, 0, (1, 0))}
+    return {op(): lambda op, _none: extern_alloc_lowering(op, EXTERN_NAME, 0, (1, 1))}
 
 
 def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
@@ -200,7 +255,9 @@ def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
             return _compat.inductor_fallback(op)(*args)
 
     def _extern_alloc(*args):
-        tensors = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(a))
+        # Any layout with a unit stride: a transposed view stays a view (the kernels
+        # read it as BLAS does), not a copy.
+        tensors = [ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(a))
                    for a in args if isinstance(a, ir.IRNode)]
         constants = tuple(a for a in args if not isinstance(a, ir.IRNode))
         size = [tensors[out_rows].get_size()[0], tensors[out_cols[0]].get_size()[out_cols[1]]]
@@ -211,5 +268,5 @@ def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
     return lower
 
 
-def _linear_nt_fake(a: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
-    return a.new_empty((a.shape[0], w.shape[0]))
+def _mm_fake(a: torch.Tensor, b: torch.Tensor, kernel: str) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))

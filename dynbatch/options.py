@@ -35,9 +35,10 @@ class Options:
     memory_budget: int | str | None = "auto"
     # Fixes the number of samples per chunk instead of deriving it from the budget.
     chunk_size: int | None = None
-    # The kernel of float32 CPU products mm(a, w.t()) (matmul_kernels.py): "auto"
-    # (the faster of ATen's and oneDNN's, measured per shape on tall products),
-    # "aten" (Inductor's extern mm everywhere), "onednn".
+    # The kernel of CPU products (matmul_kernels.py): "auto" (the fastest of ATen's,
+    # ATen's on the transposed problem and oneDNN's, measured per shape on products
+    # with a dim of 1,024 or more), "aten" (Inductor's extern mm everywhere),
+    # "flipped", "onednn" (that kernel wherever it applies).
     cpu_matmul: str = "auto"
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -77,48 +77,67 @@ def sink_expands(graph: torch.fx.Graph) -> int:
     return changed
 
 
-def _is_transpose(node) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and (
-        node.target is aten.t.default
-        or (node.target is aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])))
+def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None] | None:
+    """(a, b, bias) of ``mm(a, b)`` or ``addmm(bias, a, b)`` (with beta = alpha = 1)."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.mm.default and not node.kwargs:
+        return node.args[0], node.args[1], None
+    if (node.target is aten.addmm.default and len(node.args) == 3
+            and all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha")) and set(node.kwargs) <= {"beta", "alpha"}):
+        return node.args[1], node.args[2], node.args[0]
+    return None
+
+
+# The dtypes each forced kernel takes; "auto" measures among the kernels that apply.
+_ROUTED_DTYPES = {"auto": (torch.float32, torch.float64), "flipped": (torch.float32, torch.float64),
+                  "onednn": (torch.float32,)}
 
 
 def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
-    """mm(a, w.t()) -> dynbatch::linear_nt(a, w, kernel) for float32 CPU products whose
-    kernel is chosen by measurement (matmul_kernels.py, NOTE [CPU matmul kernels]).
+    """mm(a, b) -> dynbatch::mm(a, b, kernel), and addmm(bias, a, b) -> that + bias (a
+    pointwise add Inductor fuses into what follows), for CPU products whose kernel is
+    chosen by measurement (matmul_kernels.py, NOTE [CPU matmul kernels]).
 
-    A product whose sizes are all known is measured now and keeps ATen's ``mm``
-    unless oneDNN won; one with a symbolic size (M = B*N) is measured at run time
-    for each bucket of M, by the op, unless "auto" would never measure it (M known
-    and below MIN_ROWS).  ``kernel="aten"`` leaves the graph as it is.
+    A product whose sizes are all known is measured now, in its operands' layouts,
+    and keeps ATen's ``mm`` unless another kernel won; one with a symbolic size
+    (B*N in M or in K) is measured at run time for each bucket of sizes, by the op,
+    unless "auto" would never measure it (M and K known and short).
+    ``kernel="aten"`` leaves the graph as it is.
     """
-    if kernel == "aten" or not matmul_kernels.onednn_available():
+    if kernel == "aten":
         return 0
     changed = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.mm.default or not _is_transpose(node.args[1]):
+        product = _product(node)
+        if product is None:
             continue
-        a, w = node.args[0], node.args[1].args[0]
-        if _is_transpose(w):  # a @ w: oneDNN would need w.t() copied
-            continue
-        vals = [getattr(x, "meta", {}).get("val") for x in (a, w, node)]
+        a, b, bias = product
+        vals = [getattr(x, "meta", {}).get("val") for x in (a, b, node)]
         if any(not isinstance(v, torch.Tensor) for v in vals):
             continue
-        a_val, w_val, out_val = vals
-        if any(v.device.type != "cpu" or v.dtype != torch.float32 or v.dim() != 2 for v in vals):
+        a_val, b_val, out_val = vals
+        if any(v.device.type != "cpu" or v.dtype not in _ROUTED_DTYPES[kernel] or v.dim() != 2 for v in vals):
             continue
-        sizes = (a_val.shape[0], a_val.shape[1], w_val.shape[0])
+        sizes = (a_val.shape[0], a_val.shape[1], b_val.shape[1])
         if not any(map(_compat.is_symbolic, sizes)):
-            if matmul_kernels.choice_for_static_shape(*map(int, sizes), torch.float32, kernel) != "onednn":
+            layouts = matmul_kernels.layout(a_val) + matmul_kernels.layout(b_val)
+            if matmul_kernels.choice_for_static_shape(*map(int, sizes), a_val.dtype, kernel, layouts) == "aten":
                 continue
-        elif kernel == "auto" and not _compat.is_symbolic(sizes[0]) and int(sizes[0]) < matmul_kernels.MIN_ROWS:
-            # A known short height (B in K or N, as in an HVP's [n, d] @ [d, K]) would take
-            # ATen at every call: routing it only adds the op's Python call.
+        elif (kernel == "auto" and not any(map(_compat.is_symbolic, sizes[:2]))
+              and not matmul_kernels.tall(int(sizes[0]), int(sizes[1]))):
+            # A known short product (B in N only, as in an HVP's [n, d] @ [d, K]) would
+            # take ATen at every call: routing it only adds the op's Python call.
             continue
         with graph.inserting_before(node):
-            routed = graph.call_function(matmul_kernels.op(), (a, w, kernel))
+            routed = graph.call_function(matmul_kernels.op(), (a, b, kernel))
+            result = routed if bias is None else graph.call_function(aten.add.Tensor, (routed, bias))
         routed.meta["val"] = out_val
-        node.replace_all_uses_with(routed)
+        if bias is not None:
+            with out_val.fake_mode:
+                routed.meta["val"] = torch.empty_like(out_val, memory_format=torch.contiguous_format)
+            result.meta["val"] = out_val
+        node.replace_all_uses_with(result)
         graph.erase_node(node)
         changed += 1
     graph.eliminate_dead_code()
@@ -131,7 +150,7 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
 
     def __init__(self, cpu_matmul: str = "auto") -> None:
         self.cpu_matmul = cpu_matmul
-        if cpu_matmul != "aten" and matmul_kernels.onednn_available():
+        if cpu_matmul != "aten":
             # Registered now, not when the pass runs: a graph loaded from Inductor's
             # FX cache calls the kernel without this pass having run in this process.
             matmul_kernels.register()
@@ -144,4 +163,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
     def uuid(self) -> str:
         # also keys lowering.py's choice of extern convolutions, which Inductor's
         # FX graph cache would not see otherwise
-        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v4-{self.cpu_matmul}"
+        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v5-{self.cpu_matmul}"

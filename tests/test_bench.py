@@ -395,6 +395,17 @@ def test_ab_runs_each_setting_on_the_same_cells(capsys):
     assert rows[0]["graphs compiled"] == "unchunked" and "chunks of" in rows[1]["graphs compiled"]
 
 
+def test_ab_times_a_force_training_column_per_setting(capsys):
+    assert main(["ab", "dynbatch.cpu_matmul=aten,flipped", "--option", "dynbatch.inner_compiler=aot_eager",
+                 "--quick", "--workloads", "force_training", "--column", "dynbatch_model_out"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert {r["problem"] for r in rows} == {"force_training/pair", "force_training/message_passing"}
+    assert [r["column"] for r in rows] == ["dynbatch.cpu_matmul=aten", "dynbatch.cpu_matmul=flipped"] * 2
+    for row in rows:
+        assert _number(row["median ms"]) > 0, row
+        assert _number(row["max abs diff"]) <= 1e-3, row  # the same parameter grads either way
+
+
 def test_ab_reads_option_values_as_python_does():
     from dynbatch.bench import ab
 

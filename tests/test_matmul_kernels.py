@@ -32,54 +32,77 @@ def kernel_calls(monkeypatch):
     """How often each kernel computed a product."""
     calls = {name: 0 for name in matmul_kernels.KERNELS}
     for name, kernel in list(matmul_kernels.KERNELS.items()):
-        def counted(a, w, name=name, kernel=kernel):
+        def counted(a, b, name=name, kernel=kernel):
             calls[name] += 1
-            return kernel(a, w)
+            return kernel(a, b)
         monkeypatch.setitem(matmul_kernels.KERNELS, name, counted)
     return calls
 
 
-@needs_onednn
 @pytest.mark.parametrize("kernel", matmul_kernels.CHOICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("m", [8, matmul_kernels.MIN_ROWS + 100])
-def test_linear_nt_equals_mm(kernel, dtype, m):
-    a, w = torch.randn(m, 24, dtype=dtype), torch.randn(40, 24, dtype=dtype)
-    torch.testing.assert_close(matmul_kernels.op()(a, w, kernel), a @ w.t())
+@pytest.mark.parametrize("layouts", ["rr", "rc", "cr", "cc"])
+@pytest.mark.parametrize("m, k", [(8, 24), (matmul_kernels.MIN_ROWS + 100, 24), (24, matmul_kernels.MIN_ROWS + 100)])
+def test_every_kernel_equals_mm_in_every_layout(kernel, dtype, layouts, m, k):
+    a, b = matmul_kernels.operands(m, k, 40, dtype, layouts)
+    out = matmul_kernels.op()(a, b, kernel)
+    # against the float64 product: the kernels sum in different orders, float32 rounding grows with K
+    exact = (a.double() @ b.double()).to(dtype)
+    torch.testing.assert_close(out, exact, **({"rtol": 1e-5, "atol": 1e-6 * k} if dtype == torch.float32 else {}))
+    assert out.is_contiguous()  # the layout Inductor's lowering declares
 
 
 @needs_onednn
-def test_auto_measures_once_per_bucket_and_only_tall_float32_products(kernel_calls):
+def test_onednn_applies_to_float32_with_a_row_major_left_operand_only():
+    a, b = matmul_kernels.operands(64, 32, 16, torch.float32)
+    assert matmul_kernels.applies("onednn", a, b)  # b copied to [N, K] (a small matrix)
+    assert matmul_kernels.applies("onednn", a, b.t().contiguous().t())
+    assert not matmul_kernels.applies("onednn", a.t().contiguous().t(), b)
+    assert not matmul_kernels.applies("onednn", a.double(), b.double())
+    big = torch.randn(32, matmul_kernels.COPY_LIMIT // 16)  # b too large to copy
+    assert not matmul_kernels.applies("onednn", torch.randn(8, 32), big)
+
+
+def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
     w = torch.randn(16, 32)
-    matmul_kernels.linear_nt(torch.randn(8, 32), w)  # short: ATen, unmeasured
-    matmul_kernels.linear_nt(torch.randn(40, 32, dtype=torch.float64), w.double())  # oneDNN: float32 only
-    assert matmul_kernels.chosen() == {}
-    assert kernel_calls == {"aten": 2, "onednn": 0}
+    matmul_kernels.mm(torch.randn(8, 32), w.t())  # short: ATen, unmeasured
+    assert matmul_kernels.chosen() == {} and kernel_calls["aten"] == 1 and sum(kernel_calls.values()) == 1
     tall = matmul_kernels.MIN_ROWS + 10
-    matmul_kernels.linear_nt(torch.randn(tall, 32), w)
+    a = torch.randn(tall, 32)
+    matmul_kernels.mm(a, w.t())
     (key, name), = matmul_kernels.chosen().items()
-    assert key == matmul_kernels.shape_key(tall, 32, 16, torch.float32) and name in matmul_kernels.KERNELS
+    assert key == matmul_kernels.shape_key(a, w.t()) and name in matmul_kernels.KERNELS
     measured = dict(kernel_calls)
-    assert measured["aten"] > 2 and measured["onednn"] > 0  # both were timed
-    matmul_kernels.linear_nt(torch.randn(tall + 5, 32), w)  # same bucket: the remembered kernel, once
+    assert measured["aten"] > 2 and measured["flipped"] > 0  # both were timed
+    assert (measured["onednn"] > 0) == matmul_kernels.onednn_available()
+    matmul_kernels.mm(torch.randn(tall + 5, 32), w.t())  # same bucket: the remembered kernel, once
     assert len(matmul_kernels.chosen()) == 1
     assert sum(kernel_calls.values()) == sum(measured.values()) + 1 and kernel_calls[name] == measured[name] + 1
+    # a long reduction (a weight grad) is measured too, in its own bucket; float64 without oneDNN
+    before = kernel_calls["onednn"]
+    g, x = torch.randn(tall, 16, dtype=torch.float64), torch.randn(tall, 8, dtype=torch.float64)
+    torch.testing.assert_close(matmul_kernels.mm(g.t(), x), g.t() @ x)
+    assert len(matmul_kernels.chosen()) == 2 and kernel_calls["onednn"] == before
 
 
-@needs_onednn
-@pytest.mark.parametrize("onednn_cost, expected", [(0.97, "onednn"), (1.03, "aten")])
-def test_auto_takes_the_kernel_measured_faster(monkeypatch, onednn_cost, expected):
+@pytest.mark.parametrize("costs, expected", [
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.97}, "onednn"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03}, "aten"),
+    ({"aten": 1.0, "flipped": 0.3, "onednn": 1.03}, "flipped"),
+])
+def test_auto_takes_the_kernel_measured_fastest(monkeypatch, costs, expected):
     """The measured times decide (a fake clock that each kernel advances by its cost)."""
+    if expected == "onednn" and not matmul_kernels.onednn_available():
+        pytest.skip("torch built without oneDNN")
     clock = {"now": 0.0}
-    cost = {"aten": 1.0, "onednn": onednn_cost}  # seconds of the fake clock per product
     monkeypatch.setattr(matmul_kernels, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     for name, kernel in list(matmul_kernels.KERNELS.items()):
-        def timed(a, w, name=name, kernel=kernel):
-            clock["now"] += cost[name]
-            return kernel(a, w)
+        def timed(a, b, name=name, kernel=kernel):
+            clock["now"] += costs[name]
+            return kernel(a, b)
         monkeypatch.setitem(matmul_kernels.KERNELS, name, timed)
     a, w = torch.randn(matmul_kernels.MIN_ROWS, 8), torch.randn(4, 8)
-    name, out = matmul_kernels.measure(a, w)
+    name, out = matmul_kernels.measure(a, w.t())
     assert name == expected
     torch.testing.assert_close(out, a @ w.t())
 
@@ -92,38 +115,65 @@ def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
-@needs_onednn
-def test_route_matmuls_rewrites_transposed_float32_products_only():
-    def f(a, w, v):
-        return torch.mm(a, w.t()).tanh() + torch.mm(a, v)  # the second: not a transposed weight
+def test_route_matmuls_rewrites_every_product_and_addmm():
+    def f(a, w, v, bias):
+        return torch.mm(a, w.t()).tanh() + torch.mm(a, v) + torch.addmm(bias, a, v)
 
-    a, w, v = torch.randn(20, 6), torch.randn(5, 6), torch.randn(6, 5)
-    gm = _traced(f, a, w, v)
-    expected = f(a, w, v)
-    assert route_matmuls(gm.graph, "onednn") == 1
+    a, w, v, bias = torch.randn(20, 6), torch.randn(5, 6), torch.randn(6, 5), torch.randn(5)
+    gm = _traced(f, a, w, v, bias)
+    expected = f(a, w, v, bias)
+    assert route_matmuls(gm.graph, "flipped") == 3
     gm.recompile()
-    assert _targets(gm).count(aten.mm.default) == 1 and matmul_kernels.op() in _targets(gm)
+    targets = _targets(gm)
+    assert aten.mm.default not in targets and aten.addmm.default not in targets
+    assert targets.count(matmul_kernels.op()) == 3
     a2 = torch.randn(33, 6)  # M is symbolic: another height runs the same graph
-    torch.testing.assert_close(gm(a2, w, v), f(a2, w, v))
-    torch.testing.assert_close(gm(a, w, v), expected)
+    torch.testing.assert_close(gm(a2, w, v, bias), f(a2, w, v, bias))
+    torch.testing.assert_close(gm(a, w, v, bias), expected)
 
-    double = _traced(f, a.double(), w.double(), v.double())
-    assert route_matmuls(double.graph, "onednn") == 0
-    assert route_matmuls(_traced(f, a, w, v).graph, "aten") == 0
+    def scaled(a, v, bias):
+        return torch.addmm(bias, a, v, beta=2.0)  # not a plain product + bias: left alone
+
+    assert route_matmuls(_traced(scaled, a, v, bias).graph, "flipped") == 0
+    args64 = [t.double() for t in (a, w, v, bias)]
+    if matmul_kernels.onednn_available():
+        assert route_matmuls(_traced(f, *args64).graph, "onednn") == 0  # oneDNN: float32 only
+    assert route_matmuls(_traced(f, *args64).graph, "flipped") == 3
+    assert route_matmuls(_traced(f, a, w, v, bias).graph, "aten") == 0
 
 
-@needs_onednn
 def test_route_matmuls_measures_static_products_at_compile_time():
     def f(a, w):
         return torch.mm(a, w.t())
 
     short = _traced(f, torch.randn(8, 6), torch.randn(5, 6), mode="fake")
-    assert route_matmuls(short.graph, "auto") == 0 and matmul_kernels.chosen() == {}  # below MIN_ROWS
+    assert route_matmuls(short.graph, "auto") == 0 and matmul_kernels.chosen() == {}  # M and K short
     m = matmul_kernels.MIN_ROWS + 24
     tall = _traced(f, torch.randn(m, 6), torch.randn(5, 6), mode="fake")
     routed = route_matmuls(tall.graph, "auto")
-    (name,) = matmul_kernels.chosen().values()  # measured on real operands of that shape
-    assert routed == (name == "onednn")
+    (name,) = matmul_kernels.chosen().values()  # measured on real operands of that shape and layout
+    assert routed == (name != "aten")
+    (key,) = matmul_kernels.chosen()
+    assert key[3:5] == ("r", "c")  # a row-major, w.t() a transposed view
+
+
+def test_route_matmuls_routes_a_weight_grad_when_flipping_it_is_faster(monkeypatch):
+    """g.t() @ x, the reduction over a long dim of a weight grad, measured in its layouts."""
+    def f(g, x):
+        return torch.mm(g.t(), x)
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(matmul_kernels, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    for name, kernel in list(matmul_kernels.KERNELS.items()):
+        def timed(a, b, name=name, kernel=kernel):
+            clock["now"] += 0.2 if name == "flipped" else 1.0
+            return kernel(a, b)
+        monkeypatch.setitem(matmul_kernels.KERNELS, name, timed)
+    k = matmul_kernels.MIN_ROWS + 24
+    gm = _traced(f, torch.randn(k, 16), torch.randn(k, 8), mode="fake")
+    assert route_matmuls(gm.graph, "auto") == 1
+    assert matmul_kernels.chosen() == {(5, k.bit_length(), 4, "c", "r", torch.float32, torch.get_num_threads()):
+                                       "flipped"}
 
 
 def _traced_with_dynamic_dims(fn, *tensors_and_dims):
@@ -137,20 +187,20 @@ def _traced_with_dynamic_dims(fn, *tensors_and_dims):
         return make_fx(fn, tracing_mode="real")(*fakes)
 
 
-@needs_onednn
-def test_route_matmuls_leaves_a_known_short_height_to_aten():
+def test_route_matmuls_leaves_a_known_short_product_to_aten():
     """B in N only (an HVP's [n, d] @ [d, K]): "auto" would pick ATen at every call, so the
-    product is not routed; a symbolic or tall known height is."""
+    product is not routed; a symbolic or tall known height is, and so is a symbolic K."""
     def f(a, w):
         return torch.mm(a, w.t())
 
-    def traced(m, m_symbolic):
-        return _traced_with_dynamic_dims(f, (torch.randn(m, 6), (m_symbolic, False)),
-                                         (torch.randn(5, 6), (True, False))).graph
+    def traced(m, m_symbolic, k_symbolic=False):
+        return _traced_with_dynamic_dims(f, (torch.randn(m, 6), (m_symbolic, k_symbolic)),
+                                         (torch.randn(5, 6), (True, k_symbolic))).graph
 
     assert route_matmuls(traced(8, False), "auto") == 0
-    assert route_matmuls(traced(8, False), "onednn") == 1
+    assert route_matmuls(traced(8, False), "flipped") == 1
     assert route_matmuls(traced(8, True), "auto") == 1
+    assert route_matmuls(traced(8, False, k_symbolic=True), "auto") == 1
     assert route_matmuls(traced(matmul_kernels.MIN_ROWS, False), "auto") == 1
 
 
@@ -159,8 +209,8 @@ def _mlp(width, depth, dtype):
 
     def f(x):
         for i, w in enumerate(weights):
-            # F.linear's forward is mm(x, w.t()) (routed), its backward g @ w (not);
-            # x @ w's backward is g @ w.t() (routed in the batched backward).
+            # F.linear's forward is mm(x, w.t()), its backward g @ w; x @ w's backward
+            # is g @ w.t(): every layout is routed.
             x = torch.tanh(F.linear(x, w) if i % 2 else x @ w)
         return x
 
@@ -168,7 +218,7 @@ def _mlp(width, depth, dtype):
 
 
 @needs_onednn
-@pytest.mark.parametrize("kernel", ["onednn", "auto"])
+@pytest.mark.parametrize("kernel", ["flipped", "onednn", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_batched_grads_match_the_loop(kernel, dtype, kernel_calls):
     """Inductor, B symbolic: one graph for every B >= 2, grads equal the eager loop's."""
@@ -185,10 +235,12 @@ def test_compiled_batched_grads_match_the_loop(kernel, dtype, kernel_calls):
         V = torch.randn(B, 8, 16, dtype=dtype)
         assert_same_grads(compiled(x, V), loop_grads(f(x), x, V), msg=f"B={B}")
     assert dynbatch.counters()["graphs"] == 2, dynbatch.counters()  # B=1, then one graph for B >= 2
-    if dtype == torch.float32:
+    if kernel == "flipped":
+        assert kernel_calls["flipped"] > 0
+    elif dtype == torch.float32:
         assert kernel_calls["onednn"] > 0
     else:
-        assert kernel_calls["onednn"] == 0 and matmul_kernels.chosen() == {}
+        assert kernel_calls["onednn"] == 0
 
 
 @needs_onednn
@@ -224,7 +276,7 @@ def test_generated_code_calls_the_kernel_directly_not_through_the_dispatcher():
     assert_same_grads(out, loop_grads(f(x), x, V))
     text = "\n".join(code)
     assert f"extern_kernels.{matmul_kernels.EXTERN_NAME}(" in text, text
-    assert "torch.ops.dynbatch.linear_nt.default(" not in text, text  # (assert_size_stride names the op)
+    assert "torch.ops.dynbatch.mm.default(" not in text, text  # (assert_size_stride names the op)
 
 
 @needs_onednn

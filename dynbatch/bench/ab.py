@@ -4,12 +4,14 @@
     python -m dynbatch.bench ab dynbatch.cpu_matmul=aten,onednn --workloads sweep,mlp_jacobian --threads 1
     python -m dynbatch.bench ab cpp_wrapper=False,True --workloads sweep --batch-sizes 1,4,16
     python -m dynbatch.bench ab dynbatch.memory_budget=None,32MiB,auto --workloads full_hessian --threads 1
+    python -m dynbatch.bench ab dynbatch.cpu_matmul=aten,auto --workloads force_training --column dynbatch_step
 
 Each setting is a column: the problem's batched program compiled by dynbatch with
 ``options={KEY: value}`` (over the ``--option`` settings every column shares;
 a key without the ``dynbatch.`` prefix is Inductor's, as in ``torch.compile``).
 Each column's program has a code object of its own, so the columns do not share
-Dynamo's cache or its recompile limit.  Per case, the columns are first called in
+Dynamo's cache or its recompile limit.  ``force_training`` times one of its dynbatch
+columns (``--column``, training.py) per setting, each on its own copy of the model.  Per case, the columns are first called in
 turn (the first call, compile included; peak memory; the difference from the
 first column's result), then timed interleaved (measure.interleaved_times), so a
 drifting machine slows every column alike.  Also per cell: the minor page faults
@@ -34,6 +36,7 @@ import dynbatch
 from dynbatch import matmul_kernels
 
 from . import cli, measure, variants
+from . import training
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("sweep", "mlp_jacobian", "gelu_vjp")
@@ -73,7 +76,10 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--option", type=option, action="append", default=[],
                         help="KEY=VALUE every column compiles with (repeatable), "
                              "e.g. dynbatch.inner_compiler=aot_eager")
-    cli.add_problem_flags(parser, list(WORKLOADS), default_workloads=DEFAULT_WORKLOADS)
+    cli.add_problem_flags(parser, [*WORKLOADS, *training.WORKLOADS], default_workloads=DEFAULT_WORKLOADS)
+    parser.add_argument("--column", choices=training.DYNBATCH_COLUMNS, default="dynbatch_step",
+                        help="force_training: the way of compiling the step each setting is timed in "
+                             "(default dynbatch_step)")
     return parser.parse_args(argv)
 
 
@@ -94,19 +100,30 @@ def main(argv=None) -> int:
     print("| problem | case | column | median ms | / first | first call s | peak MiB | faults | graphs compiled "
           "| max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for problem in cli.problems(args):
-        for row in measure_problem(problem, columns, device, cli.budget(args)):
+    batched = argparse.Namespace(**{**vars(args), "workloads": [w for w in args.workloads if w in WORKLOADS]})
+    for problem in cli.problems(batched):
+        def runner(name, options, problem=problem):
+            return variants.dynbatch_runner(name, problem, options, own_code=True)
+
+        for row in measure_problem(problem, columns, device, cli.budget(args), runner):
             print("| " + " | ".join(row) + " |", flush=True)
+    for name in (w for w in args.workloads if w in training.WORKLOADS):
+        for problem in training.WORKLOADS[name](cli.tier(args), device, args.atoms):
+            def runner(name, options, problem=problem):
+                return training.build(args.column, problem, device, options, name, own_code=True)
+
+            for row in measure_problem(problem, columns, device, cli.budget(args), runner):
+                print("| " + " | ".join(row) + " |", flush=True)
     chosen = matmul_kernels.chosen()
     if chosen:
-        print("CPU product kernels measured, by (M.bit_length(), K, N): "
-              + ", ".join(f"{k[:3]} {name}" for k, name in sorted(chosen.items(), key=lambda kv: kv[0][:3])))
+        print("CPU product kernels measured, by (M, K, N).bit_length() and the operands' layouts: "
+              + ", ".join(f"{k[:5]} {name}" for k, name in sorted(chosen.items(), key=lambda kv: kv[0][:5])))
     return 0
 
 
 def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.device,
-                    budget: measure.Budget) -> Iterator[list[str]]:
-    """One row (as text) per case and column."""
+                    budget: measure.Budget, make_runner: Callable[..., variants.Runner]) -> Iterator[list[str]]:
+    """One row (as text) per case and column; ``make_runner(name, options)`` builds a column."""
     torch._dynamo.reset()  # the columns of the last problem are done with
     sync = measure.synchronizer(device)
     cells: list[dict[str, dict[str, Any]]] = [{} for _ in problem.cases]
@@ -114,7 +131,7 @@ def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.d
     references: list[torch.Tensor | None] = [None] * len(problem.cases)
     for name, options in columns.items():
         dynbatch.reset()  # the compile records from here on are this column's
-        runner = variants.dynbatch_runner(name, problem, options, own_code=True)
+        runner = make_runner(name, options)
         for i, case in enumerate(problem.cases):
             call = functools.partial(runner.call, *runner.prepare(case))
             compiled_before = _compiles()

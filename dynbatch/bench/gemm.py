@@ -5,8 +5,8 @@
 
 ``[M, K] @ [N, K].T``, the batched backward's tall product (NOTE [CPU matmul
 kernels] in dynbatch/matmul_kernels.py), by each kernel of
-``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, and oneDNN's
-linear, where torch has it) and, when JAX is importable, XLA's dot at "highest"
+``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, the same on
+the transposed problem, and oneDNN's linear, where torch has it) and, when JAX is importable, XLA's dot at "highest"
 precision (its figure includes ``jax.jit``'s dispatch), timed interleaved
 (measure.interleaved_times).  GFLOP/s per kernel and shape, and oneDNN's time
 over ATen's: what ``cpu_matmul="auto"`` and ``matmul_kernels.MIN_ROWS`` decide
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
 def kernel_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], Any]]]:
     """name -> (a, w) -> a thunk computing ``a @ w.T`` by that kernel."""
-    calls = {name: (lambda a, w, kernel=kernel: lambda: kernel(a, w))
+    calls = {name: (lambda a, w, kernel=kernel: lambda: kernel(a, w.t()))
              for name, kernel in matmul_kernels.KERNELS.items()
              if name != "onednn" or matmul_kernels.onednn_available()}
     try:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import measure
+from . import measure, variants
 from .variants import Runner, VariantUnavailable
 from .workloads import _lattice
 
@@ -265,28 +265,45 @@ def _torch_runner(column: str, model: nn.Module, step: Callable, counts: Callabl
                   to_torch=lambda r: r, compiles=counts)
 
 
-def build(column: str, problem: Problem, device: torch.device) -> Runner:
-    """One column's runner: its own copy of the model, compiled lazily on the first call."""
+DYNBATCH_COLUMNS = ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step")
+
+
+def build(column: str, problem: Problem, device: torch.device, options: dict[str, Any] | None = None,
+          name: str | None = None, own_code: bool = False) -> Runner:
+    """One column's runner: its own copy of the model, compiled lazily on the first call
+    (the dynbatch columns with ``options``).  ``python -m dynbatch.bench ab`` names the
+    runner and asks for ``own_code``: the compiled function (or module's forward) gets a
+    code object of its own, so one setting's graphs do not make the next one's dynamic."""
     from .variants import _graph_counter  # noqa: PLC0415 - shared with the batched-grad columns
 
     model = problem.make_model()
+    name = name or column
+
+    def dynbatch_compile(fn):
+        if own_code:
+            fn = _with_own_forward(fn) if isinstance(fn, nn.Module) else variants.with_own_code(fn)
+        return torch.compile(fn, backend="dynbatch", options=options)
+
     if column == "eager":
-        return _torch_runner(column, model, _step_outside(model), lambda: None)
+        return _torch_runner(name, model, _step_outside(model), lambda: None)
     if column == "stock_compile":
-        return _torch_runner(column, model, _step_outside(torch.compile(model)), _graph_counter())
+        return _torch_runner(name, model, _step_outside(torch.compile(model)), _graph_counter())
     if column == "dynbatch_model_in":
-        wrapped = ForcesInForward(model)
-        return _torch_runner(column, model, _step_inside(torch.compile(wrapped, backend="dynbatch")),
-                             _graph_counter())
+        return _torch_runner(name, model, _step_inside(dynbatch_compile(ForcesInForward(model))), _graph_counter())
     if column == "dynbatch_model_out":
-        return _torch_runner(column, model, _step_outside(torch.compile(model, backend="dynbatch")),
-                             _graph_counter())
+        return _torch_runner(name, model, _step_outside(dynbatch_compile(model)), _graph_counter())
     if column == "dynbatch_step":
-        return _torch_runner(column, model, torch.compile(_step_outside(model), backend="dynbatch"),
-                             _graph_counter())
+        return _torch_runner(name, model, dynbatch_compile(_step_outside(model)), _graph_counter())
     if column == "jax":
         return _jax_runner(problem, model, device)
     raise KeyError(f"unknown column {column!r}; choose from {COLUMNS}")
+
+
+def _with_own_forward(module: nn.Module) -> nn.Module:
+    """``module`` as an instance of a subclass whose forward has a code object of its own."""
+    cls = type(module)
+    module.__class__ = type(cls.__name__, (cls,), {"forward": variants.with_own_code(cls.forward)})
+    return module
 
 
 def _jax_runner(problem: Problem, model: nn.Module, device: torch.device) -> Runner:

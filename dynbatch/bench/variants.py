@@ -250,13 +250,19 @@ def dynbatch_runner(variant: str, problem: Problem, options: dict[str, Any] | No
     command compiles one program under several options)."""
     program = batched_program(problem)
     if own_code:
-        program = types.FunctionType(program.__code__.replace(co_name=f"{program.__name__}_{next(_OWN_CODE)}"),
-                                     program.__globals__, closure=program.__closure__)
+        program = with_own_code(program)
     return _torch_runner(variant, problem, torch.compile(program, backend="dynbatch", options=options),
                          compiled=True)
 
 
 _OWN_CODE = itertools.count()
+
+
+def with_own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own (a new name): Dynamo keeps its cache, its
+    recompile limit and its record of which sizes changed (automatic dynamic) per code object."""
+    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{next(_OWN_CODE)}"),
+                              fn.__globals__, closure=fn.__closure__)
 
 
 def _cudagraphs_runner(problem: Problem, device: torch.device) -> Runner:
