@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 
@@ -132,11 +134,10 @@ def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
         with graph.inserting_before(node):
             routed = graph.call_function(matmul_kernels.op(), (a, b, kernel))
             result = routed if bias is None else graph.call_function(aten.add.Tensor, (routed, bias))
-        routed.meta["val"] = out_val
-        if bias is not None:
-            with out_val.fake_mode:
+        result.meta["val"] = out_val
+        if bias is not None:  # the product alone: a new row-major matrix of the output's shape
+            with getattr(out_val, "fake_mode", None) or contextlib.nullcontext():
                 routed.meta["val"] = torch.empty_like(out_val, memory_format=torch.contiguous_format)
-            result.meta["val"] = out_val
         node.replace_all_uses_with(result)
         graph.erase_node(node)
         changed += 1

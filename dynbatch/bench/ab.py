@@ -11,13 +11,13 @@ Each setting is a column: the problem's batched program compiled by dynbatch wit
 a key without the ``dynbatch.`` prefix is Inductor's, as in ``torch.compile``).
 Each column's program has a code object of its own, so the columns do not share
 Dynamo's cache or its recompile limit.  ``force_training`` times one of its dynbatch
-columns (``--column``, training.py) per setting, each on its own copy of the model.  Per case, the columns are first called in
-turn (the first call, compile included; peak memory; the difference from the
-first column's result), then timed interleaved (measure.interleaved_times), so a
-drifting machine slows every column alike.  Also per cell: the minor page faults
-of one steady call (getrusage) and the memory plan of the graphs the case
-compiled (memory.py); at the end, the CPU product kernels ``cpu_matmul="auto"``
-measured (matmul_kernels.py).
+columns (``--column``, training.py) per setting, each on its own copy of the model.
+Per case, the columns are first called in turn (the first call, compile included;
+peak memory; the difference from the first column's result), then timed
+interleaved (measure.interleaved_times), so a drifting machine slows every column
+alike.  Also per cell: the minor page faults of one steady call (getrusage) and
+the memory plan of the graphs the case compiled (memory.py); at the end, the CPU
+product kernels ``cpu_matmul="auto"`` measured (matmul_kernels.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import torch
 import dynbatch
 from dynbatch import matmul_kernels
 
-from . import cli, measure, variants
-from . import training
+from . import cli, measure, training, variants
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("sweep", "mlp_jacobian", "gelu_vjp")
