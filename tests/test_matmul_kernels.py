@@ -93,7 +93,7 @@ def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
 def test_auto_takes_the_kernel_measured_fastest(monkeypatch, costs, expected):
     """The measured times decide (a fake clock that each kernel advances by its cost)."""
     if expected == "onednn" and not matmul_kernels.onednn_available():
-        pytest.skip("torch built without oneDNN")
+        pytest.skip(reason="torch built without oneDNN")
     clock = {"now": 0.0}
     monkeypatch.setattr(matmul_kernels, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     for name, kernel in list(matmul_kernels.KERNELS.items()):
