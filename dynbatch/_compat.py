@@ -421,6 +421,41 @@ def has_tangent(t: torch.Tensor) -> bool:
     return _forward_ad.unpack_dual(t).tangent is not None
 
 
+def backward_keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph``, or
+    ``create_graph`` which implies it), as AOTAutograd asks before freeing."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def aot_backward_node(tensors: Sequence[torch.Tensor]) -> Any | None:
+    """The backward node of the one AOTAutograd ``CompiledFunction`` call that made
+    every tensor in ``tensors``, or None."""
+    node = tensors[0].grad_fn if tensors else None
+    if node is None or any(t.grad_fn is not node for t in tensors):
+        return None
+    forward = getattr(type(node), "_forward_cls", None)
+    if forward is None or forward.__name__ != "CompiledFunction" or not hasattr(forward, "metadata"):
+        return None
+    metas = getattr(node, "_input_metadata", None)
+    if metas is None or any(m.is_nested_tensor or m.is_cpp_nested_tensor for m in metas):
+        return None
+    return node
+
+
+def call_backward_node(node: Any, grads: dict[int, torch.Tensor]) -> tuple:
+    """Run a Python autograd node's backward as the engine would, with ``grads`` by
+    output position; its other outputs get zeros, as the engine materialises them
+    (AOTAutograd reads only the grads of its differentiable outputs)."""
+    args = [grads[i] if i in grads else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+            for i, m in enumerate(node._input_metadata)]
+    return node.apply(*args)
+
+
+def accumulated_tensor(node: Any) -> torch.Tensor | None:
+    """The leaf an AccumulateGrad node accumulates into; None for any other node."""
+    return getattr(node, "variable", None)
+
+
 def engine_will_execute(node: Any) -> bool:
     """Whether the running backward will execute ``node`` (refused for a leaf's
     AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""

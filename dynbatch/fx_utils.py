@@ -89,6 +89,22 @@ def graph_output_count(gm: Any) -> int:
     return len(result) if isinstance(result, (tuple, list)) else 1
 
 
+def outputs_may_require_grad(gm: Any) -> bool:
+    """Whether a value a Dynamo graph returns required grad when it was traced
+    (its example value); True where a value's is unknown."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    for value in result if isinstance(result, (tuple, list)) else (result,):
+        if not isinstance(value, torch.fx.Node):
+            continue  # a constant
+        example = value.meta.get("example_value")
+        if not isinstance(example, (torch.Tensor, int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(example, torch.Tensor) and example.requires_grad:
+            return True
+    return False
+
+
 def fetch_attr(module: torch.nn.Module, target: str) -> Any:
     value = module
     for atom in target.split("."):

@@ -16,8 +16,8 @@ A dynbatch graph that autograd can differentiate is a ``Program``: a function
 of its differentiable inputs (and the rest), compiled.  Each call goes through
 ``_ProgramFunction``: its forward runs the compiled code on detached aliases of
 the differentiable inputs with grad enabled, so AOTAutograd's own backward
-hangs off those aliases (the "inner graph", kept alive by saved tensors, so
-``retain_graph`` works and is freed with the outer node).  Its backward picks a
+hangs off those aliases (the "inner graph", kept alive by saved tensors and
+retained as the caller's backward retains its graph: NOTE [Inner graph's lifetime]).  Its backward picks a
 path by what it receives:
 
 - plain grads: AOTAutograd's compiled backward (the inner graph);
@@ -98,6 +98,8 @@ class Region:
         )
         self.is_input = tuple(i in self.diff_args for i in range(len(example_inputs)))
         self.n_outputs = fx_utils.graph_output_count(self.gm)
+        # NOTE [Outputs that need no grad]
+        self.outputs_need_grad = bool(self.diff_args) and fx_utils.outputs_may_require_grad(self.gm)
         self.mutates_differentiable_input = mutates_differentiable_input
         is_input = self.is_input
         self.program = Program(
@@ -121,8 +123,8 @@ class Region:
             self._log_once(reason, "dynbatch: running a compiled graph eagerly: %s", reason)
             STATS.count(EAGER_CALL)
             return self.gm(*args)
-        if not self.diff_args:
-            return self.compiled(*args)
+        if not self.outputs_need_grad:
+            return self._compiled_without_grad(args)
         if self.mutates_differentiable_input:
             return _first_order_only(self, self.compiled(*args))
         inputs = [args[i] for i in self.diff_args]
@@ -137,6 +139,17 @@ class Region:
                             "graph alone: %s: %s", type(e).__name__, e)
                 self.with_grads = None
         return self.program(inputs, others)
+
+    def _compiled_without_grad(self, args: Sequence[Any]) -> Any:
+        outs = self.compiled(*args)
+        if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            # The trace said otherwise: never again, and this call's outputs keep the
+            # plain backward AOTAutograd gave them (anything else raises, clearly).
+            log.warning("dynbatch: a compiled graph returned a tensor that requires grad where its trace "
+                        "said none would; its later calls differentiate as usual")
+            self.outputs_need_grad = True
+            return _first_order_only(self, outs)
+        return outs
 
     @contextlib.contextmanager
     def program_replaced(self, program: Callable[..., Any]) -> Iterator[None]:
@@ -167,6 +180,16 @@ class Region:
             self._logged.add(key)
             log.info(msg, *args)
 
+
+# NOTE [Outputs that need no grad]
+# A graph whose inputs require grad but whose outputs do not -- a compiled
+# training step (loss.backward() inside, the loss returned detached), a batched
+# grad computed without create_graph -- has nothing a backward from outside
+# could reach, so its calls skip the program's autograd node (detached aliases,
+# saved tensors, the views of leaves: about a fifth of a small step).  Dynamo
+# guards the inputs' requires_grad and the grad mode, so the outputs' requires_grad
+# in the trace holds at every call of this graph; a call that contradicts it
+# warns, and its outputs keep AOTAutograd's first-order backward.
 
 # NOTE [Compiled create_graph]
 # A backward with create_graph=True must return grads that autograd can
@@ -442,6 +465,15 @@ class _ProgramFunction(torch.autograd.Function):
         return (None, None, *grads_in, *(None,) * len(ctx.others))
 
 
+# NOTE [Inner graph's lifetime]
+# The plain path runs AOTAutograd's backward of the inner graph, a graph of its
+# own, so it has its own retain_graph.  Retaining it always (freed with this
+# node) is correct but slow: AOTAutograd keeps its saved tensors through its
+# compiled backward, and a small call pays for it (about 90 us of a 1 ms force
+# training step).  So the inner graph keeps what the caller's backward keeps:
+# freed now unless the caller passed retain_graph=True (or create_graph=True),
+# in which case this node survives too and a second backward finds both.
+
 def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad):
     """Pick the path for one backward call (NOTE [Region backward])."""
     cotangents = [g for _, g in out_grads]
@@ -455,14 +487,17 @@ def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward
     if torch.is_grad_enabled():
         return _create_graph_backward(program, inputs, others, out_grads, needed, batching)
 
-    def inner_backward(grads):
-        # retain_graph=True: the user's retain_graph is unknown here, so the inner graph
-        # is freed with this node instead.  AOTAutograd checks its *global* donated_buffer
-        # config when a backward retains the graph; dynbatch compiled this graph with
-        # donated buffers off (lowering.py), so the check does not apply to it.
-        with _compat.donated_buffers_off():
+    def inner_backward(grads, again: bool = False):
+        # The inner graph keeps what the caller's graph keeps (NOTE [Inner graph's lifetime]);
+        # ``again``: this backward runs it once more (per-sample grads).
+        keep = again or _compat.backward_keeps_graph()
+        with _compat.donated_buffers_off() if keep else contextlib.nullcontext():
+            if not again:
+                direct = _aot_backward_called_directly(inner, [k for k, _ in out_grads], grads, leaves, needed)
+                if direct is not None:
+                    return direct
             return _spread(torch.autograd.grad([inner[k] for k, _ in out_grads], _select(leaves, needed), grads,
-                                               retain_graph=True, allow_unused=True), needed)
+                                               retain_graph=keep, allow_unused=True), needed)
 
     if batching is None:
         STATS.count(PLAIN)
@@ -480,6 +515,44 @@ def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward
               "re-running it eagerly for the backward", batching.kind)
     STATS.count(EAGER)
     return program.eager_backward(inputs, others, out_grads, needed, create_graph=False)
+
+
+# NOTE [AOTAutograd's backward, called directly]
+# Where the inner graph is one AOTAutograd node whose inputs are the leaves
+# themselves (a region's usual shape), the plain path calls that node's
+# backward itself instead of starting a nested engine over the graph: the
+# nested torch.autograd.grad (its Python, a graph task, the capture of each
+# leaf) cost about 10 % of a small force-training step.  The node is asked as
+# the engine would ask it (zeros for outputs without a grad) and frees its saved
+# tensors as the engine would let it (it reads the running backward's
+# retain_graph).  Any other shape -- a view or another node between a leaf and
+# the compiled function -- takes the engine.
+
+def _aot_backward_called_directly(inner, outputs, grads, leaves, needed) -> tuple | None:
+    """The plain backward of the inner graph by AOTAutograd's node alone, or None
+    where the graph is not that one node over the leaves."""
+    node = _compat.aot_backward_node(list(inner.values()))
+    if node is None:
+        return None
+    position = {id(leaf): i for i, leaf in enumerate(leaves)}
+    # The node's edges, in order, are those of its forward's arguments that require
+    # grad (its other arguments, SymInts included, get no edge): the leaf of each.
+    wanted = [i for i, w in enumerate(node.needs_input_grad) if w]
+    edges = [edge for edge, _ in node.next_functions if edge is not None]
+    targets = [position.get(id(_compat.accumulated_tensor(edge))) for edge in edges]
+    if len(edges) != len(wanted) or None in targets:
+        return None
+    by_output: dict[int, torch.Tensor] = {}
+    for k, g in zip(outputs, grads):
+        nr = inner[k].output_nr
+        by_output[nr] = g if nr not in by_output else by_output[nr] + g
+    node_grads = _compat.call_backward_node(node, by_output)
+    result: list[torch.Tensor | None] = [None] * len(leaves)
+    for i, target in zip(wanted, targets):
+        g = node_grads[i]
+        if g is not None and needed[target]:
+            result[target] = g if result[target] is None else result[target] + g
+    return tuple(result)
 
 
 def _create_graph_backward(program, inputs, others, out_grads, needed, batching):
@@ -549,7 +622,7 @@ def _grads_from_forward(program, out_grads, needed, batching, forward_grads):
 def _per_sample(batching, out_grads, grad_fn):
     with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
         # Eager's vmap refuses B = 0 before any backward runs, so there is a sample.
-        per_sample = [grad_fn([g[b] for _, g in physical]) for b in range(batch_size)]
+        per_sample = [grad_fn([g[b] for _, g in physical], again=b < batch_size - 1) for b in range(batch_size)]
         grads = tuple(None if first is None else torch.stack([s[k] for s in per_sample])
                       for k, first in enumerate(per_sample[0]))
     return rewrap(grads)

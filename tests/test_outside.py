@@ -335,6 +335,71 @@ def test_inference_regions_are_called_directly():
     assert type(m(x64(2, 4))) is torch.Tensor
 
 
+def _spy(monkeypatch, module, name):
+    """Wrap ``module.name``; the returned list gets each call's result."""
+    results, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return results
+
+
+@pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
+def test_plain_backward_calls_aotautograds_node_and_keeps_the_callers_retain_graph(monkeypatch, options):
+    # NOTE [AOTAutograd's backward, called directly], NOTE [Inner graph's lifetime]
+    direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
+    model = mlp()
+    m = compile_dynbatch(model, options=options, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    params = [x, *model.parameters()]
+    loss = m(x).tanh().pow(2).sum()
+    first = grad(loss, params, retain_graph=True)
+    second = grad(loss, params[1:])  # a second backward finds the inner graph retained ...
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        grad(loss, params)  # ... and the last one freed it
+    want = grad(model(x).tanh().pow(2).sum(), params)
+    assert_same_grads(first, want)
+    assert_same_grads(second, want[1:])
+    assert second[0] is not None and len(direct) == 2 and all(r is not None for r in direct), direct
+    assert paths() == {"outside_plain": 2}
+
+
+def test_outputs_that_need_no_grad_skip_the_programs_node(monkeypatch):
+    # NOTE [Outputs that need no grad]: a training step returns its loss detached and
+    # leaves the grads in .grad; a batched Jacobian without create_graph returns grads
+    # that do not require grad.  Neither call goes through _ProgramFunction.
+    nodes = _spy(monkeypatch, dynbatch.region._ProgramFunction, "apply")
+    model = mlp()
+    x = x64(5, 4)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    def jacobian(x, V):
+        x = x.detach().requires_grad_()
+        return grad(model(x), x, V, is_grads_batched=True)[0]
+
+    compiled_step = compile_dynbatch(step)
+    for _ in range(2):
+        model.zero_grad()
+        got_loss = compiled_step(x)
+        got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want_loss = step(x)
+    assert_same_grads((got_loss, *got), (want_loss, *(p.grad for p in model.parameters())))
+    V = x64(7, 5, 3)
+    assert_same_grads(compile_dynbatch(jacobian)(x, V), jacobian(x, V))
+    assert dynbatch.counters()["graphs"] == 2 and nodes == []
+    # A graph whose output requires grad keeps the node: a grad from outside reaches it.
+    out = compile_dynbatch(model, fullgraph=False)(x)
+    assert out.requires_grad and len(nodes) == 1
+
+
 def test_no_inductor_deprecation_warnings_leak(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
