@@ -522,7 +522,7 @@ def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward
 # themselves (a region's usual shape), the plain path calls that node's
 # backward itself instead of starting a nested engine over the graph: the
 # nested torch.autograd.grad (its Python, a graph task, the capture of each
-# leaf) cost about 10 % of a small force-training step.  The node is asked as
+# leaf) cost about 5 % of a small force-training step.  The node is asked as
 # the engine would ask it (zeros for outputs without a grad) and frees its saved
 # tensors as the engine would let it (it reads the running backward's
 # retain_graph).  Any other shape -- a view or another node between a leaf and

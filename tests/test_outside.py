@@ -226,6 +226,18 @@ def test_forward_mode_jacobians_of_two_inputs_and_outputs_and_forward_over_rever
 
 # --- the other patterns users write ---------------------------------------------------
 
+def _spy(monkeypatch, module, name):
+    """Wrap ``module.name``; the returned list gets each call's result."""
+    results, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return results
+
+
 def test_training_step_grads_equal_eager_and_retain_graph_works():
     model = mlp()
     m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
@@ -247,10 +259,12 @@ def test_training_step_grads_equal_eager_and_retain_graph_works():
     assert_same_grads(tuple(got), tuple(p.grad for p in params))
 
 
-def test_training_after_a_dynamic_recompile():
+def test_training_after_a_dynamic_recompile(monkeypatch):
     # A new batch size recompiles with symbolic sizes, and AOTAutograd then compiles the
     # backward lazily; its global donated-buffer check once refused the region's retained
-    # inner backward there (Inductor only).
+    # inner backward there (Inductor only).  The symbolic graph takes SymInt arguments,
+    # which have no edge: AOTAutograd's node is still called directly.
+    direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
     m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
@@ -261,6 +275,7 @@ def test_training_after_a_dynamic_recompile():
             got = grad(m(x).pow(2).mean(), params)
         assert_same_grads(got, grad(model(x).pow(2).mean(), params), msg=f"rows={rows}")
     assert paths() == {"outside_plain": 6}
+    assert dynbatch.counters()["graphs"] == 2 and len(direct) == 6 and None not in direct
 
 
 def test_create_graph_third_order():
@@ -333,18 +348,6 @@ def test_inference_regions_are_called_directly():
         m(x64(2, 4))
     m(x64(2, 4))  # x does not require grad, but the parameters do
     assert type(m(x64(2, 4))) is torch.Tensor
-
-
-def _spy(monkeypatch, module, name):
-    """Wrap ``module.name``; the returned list gets each call's result."""
-    results, real = [], getattr(module, name)
-
-    def spy(*args, **kwargs):
-        results.append(real(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(module, name, spy)
-    return results
 
 
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
