@@ -457,9 +457,19 @@ def accumulated_tensor(node: Any) -> torch.Tensor | None:
 
 
 def engine_will_execute(node: Any) -> bool:
-    """Whether the running backward will execute ``node`` (refused for a leaf's
-    AccumulateGrad under ``torch.autograd.grad``: callers pass non-leaves)."""
-    return torch._C._will_engine_execute_node(node)
+    """Whether the running backward will execute ``node``, or capture what reaches it.
+
+    Autograd refuses to answer for a leaf's accumulator that ``torch.autograd.grad``
+    captures, and only then: its check raises where the node should execute and
+    is a captured leaf (``topological_nr() == 0 && captures_`` in
+    ``_will_engine_execute_node``, unchanged since torch 1.13).  So the refusal
+    is itself the answer: that leaf's grad is wanted."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as e:
+        if "leaf node was passed to _will_engine_execute_node" in str(e):
+            return True
+        raise
 
 
 def is_zero_tensor(t: torch.Tensor) -> bool:

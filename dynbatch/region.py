@@ -237,7 +237,7 @@ class Program:
         return self._vjps[key]
 
     def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any]) -> tuple:
-        return _ProgramFunction.apply(self, len(inputs), *_non_leaf([*inputs, *others], range(len(inputs))))
+        return _ProgramFunction.apply(self, len(inputs), *inputs, *others)
 
     def refuse_rerun_if_random(self) -> None:
         if self.random_ops:
@@ -337,25 +337,10 @@ _own_code.made = 0
 # A region's differentiable inputs are often a model's parameters as well as
 # its data; a Jacobian w.r.t. the data must not compute B batched grads of
 # every weight.  Autograd knows which nodes the running backward will execute
-# (torch._C._will_engine_execute_node on the edges out of our node), but it
-# refuses to answer for a leaf under torch.autograd.grad, whose capture sits on
-# the leaf's edge.  So leaves enter a program through a view: its node is
-# executed exactly when the leaf's grad is wanted.  Compiled backwards are
-# cached per set of needed inputs.
-
-def _non_leaf(args: Sequence[Any], positions: Sequence[int]) -> Sequence[Any]:
-    """``args`` with each leaf that requires grad at ``positions`` behind a view."""
-    def is_leaf(a):
-        return isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None
-
-    if not any(is_leaf(args[i]) for i in positions):
-        return args
-    args = list(args)
-    for i in positions:
-        if is_leaf(args[i]):
-            args[i] = args[i].view_as(args[i])
-    return args
-
+# (torch._C._will_engine_execute_node on the edges out of our node).  For a
+# leaf that torch.autograd.grad captures it refuses to answer, and that refusal
+# means the grad is wanted (_compat.engine_will_execute), so leaves need no
+# stand-in.  Compiled backwards are cached per set of needed inputs.
 
 def _needed(ctx, edges: Sequence[int]) -> tuple[bool, ...]:
     """Which of the node's edges (one per tensor argument of its forward) this

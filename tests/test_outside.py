@@ -403,6 +403,62 @@ def test_outputs_that_need_no_grad_skip_the_programs_node(monkeypatch):
     assert out.requires_grad and len(nodes) == 1
 
 
+def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
+    # NOTE [Only the grads a backward uses]: under torch.autograd.grad autograd refuses
+    # to say whether it runs a captured leaf's accumulator; that refusal means "wanted".
+    from dynbatch._compat import engine_will_execute
+
+    x, w, u = (torch.randn(3, requires_grad=True) for _ in range(3))
+    answers = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            return sum(args)
+
+        @staticmethod
+        def backward(ctx, g):
+            answers.append(tuple(engine_will_execute(node) for node, _ in ctx.next_functions))
+            return g, g, g
+
+    y = Probe.apply(x, w, u * 2).sum()
+    grad(y, x, retain_graph=True)  # x captured, w not asked for, u through a MulBackward
+    grad(y, [w, u], retain_graph=True)
+    y.backward(inputs=[x], retain_graph=True)
+    y.backward()
+    assert answers == [(True, False, False), (False, True, True), (True, False, False), (True, True, True)]
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["batched", "create_graph"])
+def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, create_graph):
+    # NOTE [Only the grads a backward uses]: a batched Jacobian or the forces w.r.t. a leaf
+    # x of a model whose parameters require grad asks the compiled backward for x's grads only.
+    asked = []
+    real_vjp = dynbatch.region.Program.vjp
+
+    def vjp(self, receives, needed, *, batched=False):
+        asked.append(needed)
+        return real_vjp(self, receives, needed, batched=batched)
+
+    monkeypatch.setattr(dynbatch.region.Program, "vjp", vjp)
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    if create_graph:
+        got = grad(m(x).sum(), x, create_graph=True)[0]
+        want = grad(model(x).sum(), x, create_graph=True)[0]
+        assert got.requires_grad
+        assert paths() == {"outside_vjp_compiled": 1}
+    else:
+        V = x64(6, 5, 3)
+        got = grad(m(x), x, V, is_grads_batched=True)[0]
+        want = grad(model(x), x, V, is_grads_batched=True)[0]
+        assert paths() == {"outside_batched_compiled": 1}
+    assert_same_grads(got, want)
+    # One compiled backward, asked for one grad of the region's five inputs (x, 2 weights, 2 biases).
+    assert [(len(needed), sum(needed)) for needed in asked] == [(5, 1)], asked
+
+
 def test_no_inductor_deprecation_warnings_leak(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
