@@ -442,6 +442,24 @@ def aot_backward_node(tensors: Sequence[torch.Tensor]) -> Any | None:
     return node
 
 
+def route_backward(node: Any, router: Callable[[Callable], Callable]) -> type | None:
+    """Replace the backward of the autograd.Function class whose node is ``node``
+    (AOTAutograd's CompiledFunction, a class per compiled graph) by
+    ``router(original)``, once; the class, or None where it has no backward of its own.
+    The engine reads ``_forward_cls.backward`` at each call (BackwardCFunction)."""
+    forward_cls = getattr(type(node), "_forward_cls", None)
+    if forward_cls is None or "backward" not in vars(forward_cls):
+        return None
+    with _ROUTED:
+        if not vars(forward_cls).get("_dynbatch_routed", False):
+            forward_cls.backward = staticmethod(router(forward_cls.backward))
+            forward_cls._dynbatch_routed = True
+    return forward_cls
+
+
+_ROUTED = threading.Lock()
+
+
 def call_backward_node(node: Any, grads: dict[int, torch.Tensor]) -> tuple:
     """Run a Python autograd node's backward as the engine would, with ``grads`` by
     output position; its other outputs get zeros, as the engine materialises them

@@ -17,8 +17,11 @@ of its differentiable inputs (and the rest), compiled.  Each call goes through
 ``_ProgramFunction``: its forward runs the compiled code on detached aliases of
 the differentiable inputs with grad enabled, so AOTAutograd's own backward
 hangs off those aliases (the "inner graph", kept alive by saved tensors and
-retained as the caller's backward retains its graph: NOTE [Inner graph's lifetime]).  Its backward picks a
-path by what it receives:
+retained as the caller's backward retains its graph: NOTE [Inner graph's lifetime]).  Once
+a call has shown the inner graph is one AOTAutograd node over the graph's
+arguments, later calls return that node's outputs instead, its backward routed
+to the same paths (NOTE [AOTAutograd's node in the caller's graph]).  The
+backward picks a path by what it receives:
 
 - plain grads: AOTAutograd's compiled backward (the inner graph);
 - batched grads from eager's ``is_grads_batched`` (the legacy vmap): the
@@ -109,6 +112,10 @@ class Region:
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time]); None until one has.
         self.with_grads: Program | None = None
+        # AOTAutograd's node in the caller's graph (NOTE [AOTAutograd's node in the
+        # caller's graph]): learnt on the first call through the program's node.
+        self.direct: _Direct | None = None
+        self.direct_learnt = False
         self._logged: set[str] = set()
 
     def __call__(self, *args: Any) -> Any:
@@ -127,10 +134,17 @@ class Region:
             return self._compiled_without_grad(args)
         if self.mutates_differentiable_input:
             return _first_order_only(self, self.compiled(*args))
-        inputs = [args[i] for i in self.diff_args]
-        others = [a for i, a in enumerate(args) if not self.is_input[i]]
         if self.with_grads is not None and self.with_grads.missed:
             self.with_grads = None
+        if self.direct is not None and self.with_grads is None and not _compat.functorch_transform_active():
+            outs = self.direct(args)
+            if outs is not None:
+                return outs
+            log.warning("dynbatch: a compiled graph's outputs no longer come from one AOTAutograd node; "
+                        "its calls go through dynbatch's node again")
+            self.direct = None
+        inputs = [args[i] for i in self.diff_args]
+        others = [a for i, a in enumerate(args) if not self.is_input[i]]
         if self.with_grads is not None:
             try:
                 return self.with_grads(inputs, others)[:self.n_outputs]
@@ -174,6 +188,32 @@ class Region:
         (index, _), = out_grads
         self.with_grads = Program(_with_grads_of(self.program.python, index, needed), self.program.recompile,
                                   "forward_with_grads", linear=(index, needed, self.n_outputs))
+
+    def learn_direct(self, outs: Sequence[Any], diff: Sequence[int], leaves: Sequence[torch.Tensor],
+                     others: Sequence[Any]) -> None:
+        """After the first call through the program's node: return AOTAutograd's outputs
+        from now on where its node alone made them from the graph's arguments
+        (NOTE [AOTAutograd's node in the caller's graph])."""
+        self.direct_learnt = True
+        if self.program.random_ops or not diff:
+            return  # batched grads loop per sample over the inner graph (the program's node)
+        node = _compat.aot_backward_node([outs[k] for k in diff])
+        if node is None:
+            return
+        args = _merge(self.is_input, leaves, others)
+        tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        edges = [edge for edge, _ in node.next_functions]
+        if len(node.needs_input_grad) != len(args) or len(edges) != len(tensor_args):
+            return
+        for edge, i in zip(edges, tensor_args):
+            if (edge is not None) != self.is_input[i] or (
+                    edge is not None and _compat.accumulated_tensor(edge) is not args[i]):
+                return
+        forward_cls = _compat.route_backward(node, _routed_backward)
+        if forward_cls is None:
+            return
+        self.direct = _Direct(self, forward_cls, {k: outs[k].output_nr for k in diff},
+                              [tensor_args.index(i) for i in self.diff_args])
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:
@@ -413,6 +453,8 @@ class _ProgramFunction(torch.autograd.Function):
         finally:
             _CALLER_ALIASES.active = False
         diff = tuple(k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        if program.region is not None and not program.region.direct_learnt:
+            program.region.learn_direct(outs, diff, leaves, others)
         ctx.program, ctx.diff, ctx.n = program, diff, n_inputs
         ctx.other_tensors = [k for k, a in enumerate(others) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in others]
@@ -538,6 +580,83 @@ def _aot_backward_called_directly(inner, outputs, grads, leaves, needed) -> tupl
         if g is not None and needed[target]:
             result[target] = g if result[target] is None else result[target] + g
     return tuple(result)
+
+
+# NOTE [AOTAutograd's node in the caller's graph]
+# A region whose inner graph is one AOTAutograd node over the graph's own
+# arguments -- a model's usual shape -- needs no node of its own for a plain
+# backward: AOTAutograd's compiled backward is the answer.  Its own node in
+# front (_ProgramFunction: detached aliases, saved tensors, a Python backward
+# that calls AOTAutograd's) cost about a sixth of a small training step.  So once
+# the first call has shown that shape, the region returns AOTAutograd's outputs
+# as they are, as stock torch.compile does, and the backward of the node's class
+# (one class per compiled graph) is routed: a plain backward runs AOTAutograd's
+# own; a create_graph or batched one, which AOTAutograd refuses or cannot batch,
+# takes dynbatch's paths (NOTE [Region backward]) on the call's arguments.  Those
+# are kept on the node with their versions, so an in-place change raises as
+# autograd's saved tensors would.  Graphs that draw random numbers keep the
+# program's node: their batched grads loop per sample over the inner graph.
+
+class _Direct:
+    """A region's calls that return AOTAutograd's outputs, and their routed backward."""
+
+    def __init__(self, region: Region, forward_cls: type, output_nrs: dict[int, int],
+                 diff_edges: list[int]) -> None:
+        self.region = region
+        self.forward_cls = forward_cls  # AOTAutograd's CompiledFunction of this graph
+        self.output_nrs = tuple(output_nrs.items())  # (graph output, the node's output) that need grad
+        self.first = next(iter(output_nrs))
+        self.diff_edges = diff_edges  # the node's edge of each differentiable input
+
+    def __call__(self, args: Sequence[Any]) -> tuple | None:
+        outs = self.region.compiled(*args)
+        node = outs[self.first].grad_fn
+        if node is None or getattr(type(node), "_forward_cls", None) is not self.forward_cls:
+            return None
+        node._dynbatch_call = (self, args, tuple(a._version if isinstance(a, torch.Tensor) else None
+                                                 for a in args))
+        return outs
+
+    @_compat.dynamo_disable
+    def backward(self, ctx, args, versions, grads, batching) -> tuple:
+        """A create_graph or batched backward, by dynbatch's paths; one grad per argument."""
+        for a, version in zip(args, versions):
+            if version is not None and a._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: [{a.type()} {list(a.shape)}] is at version {a._version}; "
+                    f"expected version {version} instead (an input of a dynbatch-compiled graph)")
+        region = self.region
+        edges = ctx.next_functions
+        needed = tuple(_compat.engine_will_execute(edges[e][0]) for e in self.diff_edges)
+        out_grads = [(k, grads[nr]) for k, nr in self.output_nrs if grads[nr] is not None]
+        result: list[Any] = [None] * len(args)
+        if out_grads and any(needed):
+            inputs = [args[i] for i in region.diff_args]
+            others = [a for i, a in enumerate(args) if not region.is_input[i]]
+            grads_in = _backward(region.program, inputs, None, others, None, out_grads, needed, (),
+                                 region.n_outputs)
+            for i, g in zip(region.diff_args, grads_in):
+                result[i] = g
+        return tuple(result)
+
+
+def _routed_backward(original: Callable) -> Callable:
+    """The backward of a routed AOTAutograd class: its own for plain grads and for
+    nodes a _Direct did not make (a program's inner graph), dynbatch's otherwise."""
+    def backward(ctx, *args):
+        call = getattr(ctx, "_dynbatch_call", None)
+        if call is not None:
+            # torch 2.13 on hands this class's grads over as one list (boxed_grads_call).
+            grads = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+            batching = batching_of([g for g in grads if g is not None])
+            if batching is not None or torch.is_grad_enabled():
+                direct, call_args, versions = call
+                return direct.backward(ctx, call_args, versions, grads, batching)
+            STATS.count(PLAIN)
+        return original(ctx, *args)
+
+    return backward
 
 
 def _create_graph_backward(program, inputs, others, out_grads, needed, batching):

@@ -263,7 +263,9 @@ def test_training_after_a_dynamic_recompile(monkeypatch):
     # A new batch size recompiles with symbolic sizes, and AOTAutograd then compiles the
     # backward lazily; its global donated-buffer check once refused the region's retained
     # inner backward there (Inductor only).  The symbolic graph takes SymInt arguments,
-    # which have no edge: AOTAutograd's node is still called directly.
+    # which have no edge: AOTAutograd's node is still called directly on each graph's
+    # first call, and is the caller's node on the later ones (NOTE [AOTAutograd's node
+    # in the caller's graph]).
     direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
@@ -275,7 +277,8 @@ def test_training_after_a_dynamic_recompile(monkeypatch):
             got = grad(m(x).pow(2).mean(), params)
         assert_same_grads(got, grad(model(x).pow(2).mean(), params), msg=f"rows={rows}")
     assert paths() == {"outside_plain": 6}
-    assert dynbatch.counters()["graphs"] == 2 and len(direct) == 6 and None not in direct
+    assert dynbatch.counters()["graphs"] == 2 and len(direct) == 2 and None not in direct
+    assert all(r.region().direct is not None for r in dynbatch.compile_records())
 
 
 def test_create_graph_third_order():
@@ -401,6 +404,48 @@ def test_outputs_that_need_no_grad_skip_the_programs_node(monkeypatch):
     # A graph whose output requires grad keeps the node: a grad from outside reaches it.
     out = compile_dynbatch(model, fullgraph=False)(x)
     assert out.requires_grad and len(nodes) == 1
+
+
+def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_backward(monkeypatch):
+    # NOTE [AOTAutograd's node in the caller's graph]: the first call learns the shape
+    # through the program's node; later calls return AOTAutograd's outputs, whose node
+    # answers plain backwards itself and routes create_graph and batched ones to dynbatch.
+    programs = _spy(monkeypatch, dynbatch.region._ProgramFunction, "apply")
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    params = [x, *model.parameters()]
+    m(x)
+    assert len(programs) == 1
+    out = m(x)
+    assert type(out.grad_fn)._forward_cls.__name__ == "CompiledFunction" and len(programs) == 1
+    eager_out = model(x)
+    # plain, with the caller's retain_graph
+    loss, eager_loss = out.tanh().pow(2).sum(), eager_out.tanh().pow(2).sum()
+    assert_same_grads(grad(loss, params, retain_graph=True), grad(eager_loss, params, retain_graph=True))
+    assert_same_grads(grad(loss, params[1:]), grad(eager_loss, params[1:]))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        grad(loss, params)
+    assert paths() == {"outside_plain": 2}
+    # create_graph, to third order
+    out, eager_out = m(x), model(x)
+    g = grad(out.pow(3).sum(), x, create_graph=True)[0]
+    want = grad(eager_out.pow(3).sum(), x, create_graph=True)[0]
+    h = grad(g.sin().sum(), params, create_graph=True)
+    want_h = grad(want.sin().sum(), params, create_graph=True)
+    assert_same_grads((g, *h), (want, *want_h))
+    assert_same_grads(grad(h[0].sum(), x), grad(want_h[0].sum(), x))
+    # batched, w.r.t. the data only
+    V = x64(6, 5, 3)
+    assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0], grad(model(x), x, V, is_grads_batched=True)[0])
+    assert paths()["outside_batched_compiled"] == 1 and paths()["outside_vjp_compiled"] >= 1
+    # an input changed in place after the forward: no stale recompute
+    out = m(x)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(out.sum(), x, create_graph=True)
+    assert len(programs) == 1 + paths()["outside_vjp_compiled"]  # the vjps' own nodes only
 
 
 def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
