@@ -654,6 +654,8 @@ def _routed_backward(original: Callable) -> Callable:
                 direct, call_args, versions = call
                 return direct.backward(ctx, call_args, versions, grads, batching)
             STATS.count(PLAIN)
+            if not _compat.backward_keeps_graph():
+                ctx._dynbatch_call = None  # the graph is freed: let the arguments go with it
         return original(ctx, *args)
 
     return backward

@@ -426,7 +426,11 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
     assert_same_grads(grad(loss, params[1:]), grad(eager_loss, params[1:]))
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         grad(loss, params)
-    assert paths() == {"outside_plain": 2}
+    total = m(x).sum()  # no saved tensors between the output and the loss
+    grad(total, params)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        grad(total, x, create_graph=True)  # freed: no recompute from the call's arguments either
+    assert paths() == {"outside_plain": 3}
     # create_graph, to third order
     out, eager_out = m(x), model(x)
     g = grad(out.pow(3).sum(), x, create_graph=True)[0]
