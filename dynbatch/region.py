@@ -484,7 +484,13 @@ class _ProgramFunction(torch.autograd.Function):
             others[k] = t
         forward_grads = rest[len(ctx.other_tensors):]
         out_grads = [(k, grads[k]) for k in ctx.diff if grads[k] is not None]
-        needed = _needed(ctx, range(n))
+        if torch.is_grad_enabled() or batching_of([g for _, g in out_grads]) is not None:
+            needed = _needed(ctx, range(n))
+        else:
+            # A plain backward runs AOTAutograd's one compiled backward, which computes
+            # every grad anyway, and the engine drops those it does not want: no need to
+            # ask it (_will_engine_execute_node walks the graph, a few us per edge).
+            needed = tuple(node is not None for node, _ in ctx.next_functions[:n])
         if not out_grads or not any(needed):
             return (None, None, *(None,) * len(ctx.others))
         grads_in = _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads,

@@ -28,6 +28,14 @@ benchmark times; then, in one process and interleaved (measure.interleaved_times
 
 Medians in microseconds; the timers around a program add well under a
 microsecond to its whole call.  On a shared CPU use ``--threads 1`` (docs/benchmarks.md).
+
+``--workloads force_training`` splits a training step instead (training.py's columns,
+timed interleaved per case): ``whole``, the step; ``programs``, the time inside every
+compiled Inductor program the step runs (forward and backward, timed inside the call:
+kernels, products and Inductor's wrapper); ``rest``, the difference (Dynamo's frames,
+AOTAutograd's runtime, dynbatch's region, the autograd engine, the loss in eager ops);
+and both as multiples of the compiled step's.  A column's programs against the step's
+are what compiling only the model costs with every call around them free.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import dynbatch
 
 from dynbatch import matmul_kernels
 
-from . import cli, measure, variants
+from . import cli, measure, training, variants
 from .workloads import WORKLOADS
 
 # The default columns: the compiled ones a small call is compared across.
@@ -63,7 +71,7 @@ def parse_args(argv) -> argparse.Namespace:
         description="Per-call overhead of the benchmark's columns: each call's time beside the time of "
                     "Dynamo's frame, guards and dynbatch's region without the program, the compiled "
                     "program's, and the kernels'.")
-    cli.add_problem_flags(parser, list(WORKLOADS), default_workloads=("sweep",))
+    cli.add_problem_flags(parser, [*WORKLOADS, *training.WORKLOADS], default_workloads=("sweep",))
     parser.add_argument("--variants", type=lambda t: cli.names(t, [v for v in variants.VARIANTS
                                                                   if v != "stock_compile"], "variant(s)"),
                         default=None, help=f"comma list of columns, default {','.join(COLUMNS)} "
@@ -84,12 +92,118 @@ def main(argv=None) -> int:
     kernels = "kernels" if device.type == "cuda" else "products"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {name}, {torch.get_num_threads()} threads; medians in us")
-    print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
-    for problem in cli.problems(args):
-        for row in measure_problem(problem, columns, device, cli.budget(args)):
-            print("| " + " | ".join(row) + " |", flush=True)
+    batched = [w for w in args.workloads if w not in training.WORKLOADS]
+    if batched:
+        print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
+        print("|---|---|---|---|---|---|---|---|", flush=True)
+        for problem in cli.problems(argparse.Namespace(**{**vars(args), "workloads": batched})):
+            for row in measure_problem(problem, columns, device, cli.budget(args)):
+                print("| " + " | ".join(row) + " |", flush=True)
+    for name in (w for w in args.workloads if w in training.WORKLOADS):
+        print("| problem | case | column | whole us | programs us | rest us | programs / step's | whole / step's |")
+        print("|---|---|---|---|---|---|---|---|", flush=True)
+        for problem in training.WORKLOADS[name](cli.tier(args), device, args.atoms):
+            for row in measure_training_problem(problem, device, cli.budget(args)):
+                print("| " + " | ".join(row) + " |", flush=True)
     return 0
+
+
+TRAINING_COLUMNS = ("eager", *training.DYNBATCH_COLUMNS, "stock_energy_only")
+
+
+def _stock_energy_only(problem, device: torch.device) -> Callable[..., Any]:
+    """A reference for ``rest``: stock ``torch.compile(model)`` (Inductor) in a step whose
+    loss has the energy term only (stock cannot take the forces' double backward), so its
+    ``rest`` is what any compiled model's forward and backward cost around their programs."""
+    model = problem.make_model()
+    compiled = torch.compile(model)
+    params = list(model.parameters())
+
+    def call(pos, *rest):
+        *graph, e_ref, _ = rest
+        for p in params:
+            p.grad = None
+        ((compiled(pos.detach().requires_grad_(), *graph) - e_ref) ** 2).backward()
+        return torch.cat([p.grad.reshape(-1) for p in params])
+
+    return call
+
+
+def measure_training_problem(problem, device: torch.device, budget: measure.Budget) -> Iterator[list[str]]:
+    """Per case, a row per training column: the step, and the share of it inside compiled programs."""
+    torch._dynamo.reset()
+    sync = measure.synchronizer(device)
+    timer = ProgramTimer()
+    for case in problem.cases:
+        calls: dict[str, Callable[[], Any]] = {}
+        for column in TRAINING_COLUMNS:
+            args = (*case.inputs, case.e_ref, case.f_ref)
+            if column == "stock_energy_only":
+                call = functools.partial(_stock_energy_only(problem, device), *args)
+            else:
+                runner = training.build(column, problem, device, name=f"{column}/{case.label}", own_code=True)
+                call = functools.partial(runner.call, *runner.prepare(case))
+            call()  # compile, and the second step's path (grads at forward time)
+            call()
+            sync()
+            calls[column] = timer.timed(column, call, sync)
+        with timer.installed():
+            timed = measure.interleaved_times(calls, sync, budget)
+        whole = {c: _median_us(timed[c]["times_s"]) for c in calls}
+        programs = {c: _median_us(timer.spent[c]) if timer.spent.get(c) else None for c in calls}
+        step, step_programs = whole["dynbatch_step"], programs["dynbatch_step"]
+        for column in calls:
+            p = programs[column]
+            yield [problem.name, case.label, column, _fmt(whole[column]), _fmt(p),
+                   _fmt(None if p is None else whole[column] - p),
+                   "–" if p is None or not step_programs else f"×{p / step_programs:.2f}",
+                   f"×{whole[column] / step:.2f}"]
+        timer.spent.clear()
+
+
+class ProgramTimer:
+    """Seconds per call inside Inductor's compiled programs (``CompiledFxGraph.__call__``:
+    the generated wrapper, its kernels and products), by column, while installed."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, list[float]] = {}
+        self._in_call: float | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from torch._inductor.output_code import CompiledFxGraph
+
+        real = CompiledFxGraph.__call__
+
+        def timed_call(graph, inputs):
+            if self._in_call is None:
+                return real(graph, inputs)
+            start = time.perf_counter()
+            try:
+                return real(graph, inputs)
+            finally:
+                self._in_call += time.perf_counter() - start
+
+        CompiledFxGraph.__call__ = timed_call
+        try:
+            yield
+        finally:
+            CompiledFxGraph.__call__ = real
+
+    def timed(self, column: str, call: Callable[[], Any], sync: Callable[[], None]) -> Callable[[], Any]:
+        """``call``, its programs' seconds recorded under ``column`` (none: not compiled)."""
+        def run():
+            self._in_call = 0.0
+            try:
+                result = call()
+                sync()
+            finally:
+                spent, self._in_call = self._in_call, None
+            if spent:
+                self.spent.setdefault(column, []).append(spent)
+            return result
+
+        return run
 
 
 def measure_problem(problem, columns, device: torch.device, budget: measure.Budget) -> Iterator[list[str]]:
