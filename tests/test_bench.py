@@ -380,6 +380,23 @@ def test_overhead_splits_a_dynbatch_call(capsys):
             assert row["stack us"] == row["program us"] == "–", row
 
 
+@pytest.mark.slow  # Inductor compiles five columns per case: minutes on 2 cores with a cold cache
+def test_overhead_splits_a_training_step_into_programs_and_the_rest(capsys):
+    assert main(["overhead", "--quick", "--workloads", "force_training", "--atoms", "8"]) == 0
+    rows = _table(capsys.readouterr().out)
+    columns = ["eager", *training.DYNBATCH_COLUMNS, "stock_energy_only"]
+    assert [r["column"] for r in rows] == columns * 2, rows  # pair, then message passing
+    for row in rows:
+        assert _number(row["whole us"]) > 0, row
+        if row["column"] == "eager":  # nothing compiled to look inside
+            assert row["programs us"] == row["rest us"] == row["programs / step's"] == "–", row
+            continue
+        # every compiled column runs Inductor programs, and Python around them
+        assert _number(row["programs us"]) > 0 and _number(row["rest us"]) > 0, row
+        if row["column"] == "dynbatch_step":
+            assert row["programs / step's"] == row["whole / step's"] == "×1.00", row
+
+
 def test_ab_runs_each_setting_on_the_same_cells(capsys):
     assert main(["ab", "dynbatch.memory_budget=None,256", "--option", "dynbatch.inner_compiler=aot_eager",
                  "--quick", "--workloads", "sweep", "--batch-sizes", "2,3"]) == 0

@@ -150,23 +150,26 @@ def measure_training_problem(problem, device: torch.device, budget: measure.Budg
         with timer.installed():
             timed = measure.interleaved_times(calls, sync, budget)
         whole = {c: _median_us(timed[c]["times_s"]) for c in calls}
-        programs = {c: _median_us(timer.spent[c]) if timer.spent.get(c) else None for c in calls}
+        # Medians of each call's own split: a median of wholes less a median of programs
+        # can go negative on a noisy machine.
+        programs = {c: _median_us([p for _, p in timer.calls[c]]) if timer.calls.get(c) else None for c in calls}
+        rest = {c: _median_us([w - p for w, p in timer.calls[c]]) if timer.calls.get(c) else None for c in calls}
         step, step_programs = whole["dynbatch_step"], programs["dynbatch_step"]
         for column in calls:
             p = programs[column]
-            yield [problem.name, case.label, column, _fmt(whole[column]), _fmt(p),
-                   _fmt(None if p is None else whole[column] - p),
+            yield [problem.name, case.label, column, _fmt(whole[column]), _fmt(p), _fmt(rest[column]),
                    "–" if p is None or not step_programs else f"×{p / step_programs:.2f}",
                    f"×{whole[column] / step:.2f}"]
-        timer.spent.clear()
+        timer.calls.clear()
 
 
 class ProgramTimer:
-    """Seconds per call inside Inductor's compiled programs (``CompiledFxGraph.__call__``:
-    the generated wrapper, its kernels and products), by column, while installed."""
+    """Each call's seconds, whole and inside Inductor's compiled programs
+    (``CompiledFxGraph.__call__``: the generated wrapper, its kernels and products), by
+    column, while installed."""
 
     def __init__(self) -> None:
-        self.spent: dict[str, list[float]] = {}
+        self.calls: dict[str, list[tuple[float, float]]] = {}  # (whole, in programs) per call
         self._in_call: float | None = None
 
     @contextlib.contextmanager
@@ -194,13 +197,14 @@ class ProgramTimer:
         """``call``, its programs' seconds recorded under ``column`` (none: not compiled)."""
         def run():
             self._in_call = 0.0
+            start = time.perf_counter()
             try:
                 result = call()
                 sync()
             finally:
-                spent, self._in_call = self._in_call, None
+                whole, spent, self._in_call = time.perf_counter() - start, self._in_call, None
             if spent:
-                self.spent.setdefault(column, []).append(spent)
+                self.calls.setdefault(column, []).append((whole, spent))
             return result
 
         return run
