@@ -593,7 +593,8 @@ def _aot_backward_called_directly(inner, outputs, grads, leaves, needed) -> tupl
 # arguments -- a model's usual shape -- needs no node of its own for a plain
 # backward: AOTAutograd's compiled backward is the answer.  Its own node in
 # front (_ProgramFunction: detached aliases, saved tensors, a Python backward
-# that calls AOTAutograd's) cost about a sixth of a small training step.  So once
+# that calls AOTAutograd's) cost about a tenth of a small force-training step
+# (docs/benchmarks.md).  So once
 # the first call has shown that shape, the region returns AOTAutograd's outputs
 # as they are, as stock torch.compile does, and the backward of the node's class
 # (one class per compiled graph) is routed: a plain backward runs AOTAutograd's
@@ -634,7 +635,8 @@ class _Direct:
                     f"expected version {version} instead (an input of a dynbatch-compiled graph)")
         region = self.region
         edges = ctx.next_functions
-        needed = tuple(_compat.engine_will_execute(edges[e][0]) for e in self.diff_edges)
+        needed = tuple(edges[e][0] is not None and _compat.engine_will_execute(edges[e][0])
+                       for e in self.diff_edges)
         out_grads = [(k, grads[nr]) for k, nr in self.output_nrs if grads[nr] is not None]
         result: list[Any] = [None] * len(args)
         if out_grads and any(needed):
