@@ -16,7 +16,8 @@
 #       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
 #       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
 #       `python -m dynbatch.bench overhead` (OVERHEAD_ARGS replaces its arguments, e.g.
-#       "--workloads hessian,sweep --variants compiled_func,dynbatch,dynbatch_outside").
+#       "--workloads hessian,sweep --variants compiled_func,dynbatch,dynbatch_outside", or
+#       "--workloads force_training" for a training step's programs and the rest).
 #   PHASES="bench tests": both, in that order.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -35,7 +35,8 @@ compiled Inductor program the step runs (forward and backward, timed inside the 
 kernels, products and Inductor's wrapper); ``rest``, the difference (Dynamo's frames,
 AOTAutograd's runtime, dynbatch's region, the autograd engine, the loss in eager ops);
 and both as multiples of the compiled step's.  A column's programs against the step's
-are what compiling only the model costs with every call around them free.
+are what compiling only the model costs with every call around them free.  On CUDA
+``programs`` is host time (the kernels run asynchronously; ``whole`` synchronises).
 """
 
 from __future__ import annotations
