@@ -171,6 +171,14 @@ def aot_mutates_differentiable_input() -> bool:
     return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
 
 
+def aot_mutated_inputs() -> tuple[int, ...]:
+    """While AOTAutograd compiles a graph: the positions of the inputs it writes in place
+    (a BatchNorm's running statistics in training mode), by its metadata."""
+    context = torch._guards.TracingContext.try_get()
+    infos = getattr(getattr(context, "fw_metadata", None), "input_info", None) or ()
+    return tuple(i for i, info in enumerate(infos) if info.mutates_data or info.mutates_metadata)
+
+
 GRAD_NODE_META = "dynbatch_grad"  # node.meta key: the Dynamo grad node a batched_grad call came from
 
 

@@ -72,6 +72,7 @@ def dynbatch_backend(
         recompile=functools.partial(_compile_like, mode=mode, options=options),
         random_ops=record.random_ops,
         mutates_differentiable_input=record.mutates_differentiable_input,
+        mutated_inputs=record.mutated_inputs,
     )
     record.region = weakref.ref(graph_region)
     return graph_region

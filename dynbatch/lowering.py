@@ -34,11 +34,16 @@ def lower(
 ) -> Callable[..., Any]:
     """Raises memory.Replan when the plan wants grads chunked (the backend rewrites and lowers again)."""
     # A backward taken from outside may run the compiled backward with
-    # retain_graph=True (region.py), which donated buffers forbid.  Torch's
-    # deprecation warnings about its own internals are not the user's to see.
+    # retain_graph=True (region.py), which donated buffers forbid.  AOTAutograd's
+    # cache would skip the trace, and with it what the inner compiler records of
+    # each graph (_remember: random ops, inputs written in place, the memory plan),
+    # which decides how a grad from outside is computed: a graph from it must not
+    # lose that (Inductor's own cache of the compiled kernels still applies).
+    # Torch's deprecation warnings about its own internals are not the user's to see.
     planner = planner or memory.Planner(None, None)
     fx_utils.forget_cleared_sources(gm)
-    with (_compat.aot_config_patch(donated_buffer=False), torch_internal_deprecations_hidden(),
+    with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=False),
+          torch_internal_deprecations_hidden(),
           memory.collecting() if planner.active else contextlib.nullcontext()):
         if options.inner_compiler == "inductor":
             return _lower_with_inductor(gm, example_inputs, options, record, planner)
@@ -67,6 +72,7 @@ def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_
     # What the region's backward from outside must know (region.py).
     record.random_ops = tuple(sorted(set(record.random_ops) | set(random_ops(gm))))
     record.mutates_differentiable_input |= _compat.aot_mutates_differentiable_input()
+    record.mutated_inputs = tuple(sorted(set(record.mutated_inputs) | set(_compat.aot_mutated_inputs())))
 
 
 def random_ops(gm: torch.fx.GraphModule) -> list[str]:

@@ -29,6 +29,7 @@ class CompileRecord:
     fallback_reason: str | None = None
     random_ops: tuple[str, ...] = ()  # aten ops that draw random numbers (no re-run for a backward)
     mutates_differentiable_input: bool = False  # an input that requires grad is written in place
+    mutated_inputs: tuple[int, ...] = ()  # positions of the graph's inputs written in place
     memory_budget: int | None = None  # bytes, as resolved when the graph compiled (memory.py)
     memory_plan: list = dataclasses.field(default_factory=list)  # memory.GradPlan per batched grad
     chunk_program: bool = False  # compiled as the chunk program of a chunked grad (chunking.py)

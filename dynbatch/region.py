@@ -88,6 +88,7 @@ class Region:
         recompile: Callable[[Callable], Callable],
         random_ops: Sequence[str] = (),
         mutates_differentiable_input: bool = False,
+        mutated_inputs: Sequence[int] = (),
     ) -> None:
         # Dynamo's graph: re-run eagerly, or traced again for a compiled backward.
         self.gm = _compat.realized_graph_module(gm)
@@ -104,6 +105,9 @@ class Region:
         # NOTE [Outputs that need no grad]
         self.outputs_need_grad = bool(self.diff_args) and fx_utils.outputs_may_require_grad(self.gm)
         self.mutates_differentiable_input = mutates_differentiable_input
+        # Other inputs the graph writes in place: NOTE [Recomputes see the inputs as they were].
+        self.mutated = tuple(i for i in mutated_inputs if i < len(example_inputs) and not self.is_input[i]
+                             and isinstance(example_inputs[i], torch.Tensor))
         is_input = self.is_input
         self.program = Program(
             _graph_program(self.gm, is_input), recompile, "region",
@@ -136,23 +140,36 @@ class Region:
             return _first_order_only(self, self.compiled(*args))
         if self.with_grads is not None and self.with_grads.missed:
             self.with_grads = None
+        before = self._as_they_are(args)
         if self.direct is not None and self.with_grads is None and not _compat.functorch_transform_active():
-            outs = self.direct(args)
+            outs = self.direct(args, before)
             if outs is not None:
                 return outs
             log.warning("dynbatch: a compiled graph's outputs no longer come from one AOTAutograd node; "
                         "its calls go through dynbatch's node again")
             self.direct = None
+            before = self._as_they_are(args)  # the failed call wrote to the inputs too
         inputs = [args[i] for i in self.diff_args]
         others = [a for i, a in enumerate(args) if not self.is_input[i]]
+        saved = None if before is None else [a for i, a in enumerate(before) if not self.is_input[i]]
         if self.with_grads is not None:
             try:
-                return self.with_grads(inputs, others)[:self.n_outputs]
+                return self.with_grads(inputs, others, saved)[:self.n_outputs]
             except Exception as e:  # noqa: BLE001 - the plain forward below is always right
                 log.warning("dynbatch: compiling a forward that returns its grads failed, running the "
                             "graph alone: %s: %s", type(e).__name__, e)
                 self.with_grads = None
-        return self.program(inputs, others)
+        return self.program(inputs, others, saved)
+
+    def _as_they_are(self, args: Sequence[Any]) -> list[Any] | None:
+        """The arguments as a recompute must see them (NOTE [Recomputes see the inputs as
+        they were]): a copy of each one this call will write in place; None if none."""
+        if not self.mutated:
+            return None
+        before = list(args)
+        for i in self.mutated:
+            before[i] = args[i].clone()
+        return before
 
     def _compiled_without_grad(self, args: Sequence[Any]) -> Any:
         outs = self.compiled(*args)
@@ -231,6 +248,17 @@ class Region:
 # in the trace holds at every call of this graph; a call that contradicts it
 # warns, and its outputs keep AOTAutograd's first-order backward.
 
+# NOTE [Recomputes see the inputs as they were]
+# The batched, vjp and eager paths recompute the forward from the call's
+# arguments.  A graph that writes an input in place (a BatchNorm's running
+# statistics in training mode) would write it again on every recompute -- the
+# statistics updated twice per step -- and a graph that reads what it writes
+# would recompute from the written value.  So a region whose graph writes
+# inputs (AOTAutograd's metadata, at compile time) copies those inputs before
+# each call, and its recomputes take the copies: they read what the forward
+# read, and write only to the copies.  The forward itself writes the real
+# inputs once, as eager does.
+
 # NOTE [Compiled create_graph]
 # A backward with create_graph=True must return grads that autograd can
 # differentiate again.  AOTAutograd's compiled backward is first-order, so a
@@ -276,8 +304,11 @@ class Program:
                                       "batched_backward" if batched else "vjp")
         return self._vjps[key]
 
-    def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any]) -> tuple:
-        return _ProgramFunction.apply(self, len(inputs), *inputs, *others)
+    def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any],
+                 saved_others: Sequence[Any] | None = None) -> tuple:
+        """``saved_others``: what a recompute takes for ``others`` (NOTE [Recomputes see the
+        inputs as they were]); ``others`` themselves by default."""
+        return _ProgramFunction.apply(self, len(inputs), saved_others, *inputs, *others)
 
     def refuse_rerun_if_random(self) -> None:
         if self.random_ops:
@@ -443,7 +474,7 @@ class _ProgramFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, program, n_inputs, *args):  # type: ignore[override]
+    def forward(ctx, program, n_inputs, saved_others, *args):  # type: ignore[override]
         inputs, others = args[:n_inputs], list(args[n_inputs:])
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         _CALLER_ALIASES.active = program.region is None
@@ -458,6 +489,8 @@ class _ProgramFunction(torch.autograd.Function):
         ctx.program, ctx.diff, ctx.n = program, diff, n_inputs
         ctx.other_tensors = [k for k, a in enumerate(others) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in others]
+        if saved_others is not None:
+            others = list(saved_others)
         ctx.set_materialize_grads(False)
         result = tuple(o.detach() if k in diff else o for k, o in enumerate(outs))
         ctx.mark_non_differentiable(*(o for k, o in enumerate(result)
@@ -492,10 +525,10 @@ class _ProgramFunction(torch.autograd.Function):
             # ask it (_will_engine_execute_node walks the graph, a few us per edge).
             needed = tuple(node is not None for node, _ in ctx.next_functions[:n])
         if not out_grads or not any(needed):
-            return (None, None, *(None,) * len(ctx.others))
+            return (None, None, None, *(None,) * len(ctx.others))
         grads_in = _backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads,
                              ctx.first_grad)
-        return (None, None, *grads_in, *(None,) * len(ctx.others))
+        return (None, None, None, *grads_in, *(None,) * len(ctx.others))
 
 
 # NOTE [Inner graph's lifetime]
@@ -615,13 +648,15 @@ class _Direct:
         self.first = next(iter(output_nrs))
         self.diff_edges = diff_edges  # the node's edge of each differentiable input
 
-    def __call__(self, args: Sequence[Any]) -> tuple | None:
+    def __call__(self, args: Sequence[Any], before: Sequence[Any] | None) -> tuple | None:
+        """``before``: the arguments as a recompute must see them (None: ``args``)."""
         outs = self.region.compiled(*args)
         node = outs[self.first].grad_fn
         if node is None or getattr(type(node), "_forward_cls", None) is not self.forward_cls:
             return None
-        node._dynbatch_call = (self, args, tuple(a._version if isinstance(a, torch.Tensor) else None
-                                                 for a in args))
+        kept = args if before is None else before
+        node._dynbatch_call = (self, kept, tuple(a._version if isinstance(a, torch.Tensor) else None
+                                                 for a in kept))
         return outs
 
     @_compat.dynamo_disable

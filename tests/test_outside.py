@@ -16,6 +16,7 @@ pointers of BatchedTensors, donated buffers); the rest use aot_eager.
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -450,6 +451,45 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         grad(out.sum(), x, create_graph=True)
     assert len(programs) == 1 + paths()["outside_vjp_compiled"]  # the vjps' own nodes only
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["batched", "create_graph"])
+def test_recomputes_leave_running_statistics_as_eager_does(create_graph):
+    # NOTE [Recomputes see the inputs as they were]: a BatchNorm in training mode writes its
+    # running statistics; a grad from outside that recomputes the forward must not write them again.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 3)).double()
+    twin = copy.deepcopy(model)
+    m = compile_dynbatch(twin, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    V = x64(4, 5, 3)
+    for _ in range(3):  # the first call through the program's node, then AOTAutograd's
+        if create_graph:
+            got = grad(m(x).pow(2).sum(), x, create_graph=True)[0]
+            want = grad(model(x).pow(2).sum(), x, create_graph=True)[0]
+            assert got.requires_grad
+        else:
+            got = grad(m(x), x, V, is_grads_batched=True)[0]
+            want = grad(model(x), x, V, is_grads_batched=True)[0]
+        assert_same_grads(got, want)
+        assert_same_grads(tuple(twin.buffers()), tuple(model.buffers()))
+    assert paths().get("outside_vjp_compiled" if create_graph else "outside_batched_compiled", 0) >= 3, paths()
+
+
+def test_a_graph_from_a_warm_compile_cache_keeps_its_random_ops(tmp_path, monkeypatch):
+    # AOTAutograd's cache would skip the trace that records a graph's random ops; a graph
+    # from it that forgot them would recompute dropout with new masks for batched grads.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache of this test's own
+    x, V = x64(5, 4, requires_grad=True), x64(3, 5, 3)
+    for compile_ in ("cold", "warm"):
+        torch._dynamo.reset()
+        dynbatch.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)).double()
+        m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
+        grad(m(x), x, V, is_grads_batched=True)
+        assert paths() == {"outside_per_sample": 1}, (compile_, paths())
 
 
 def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
