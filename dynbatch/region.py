@@ -148,7 +148,10 @@ class Region:
             log.warning("dynbatch: a compiled graph's outputs no longer come from one AOTAutograd node; "
                         "its calls go through dynbatch's node again")
             self.direct = None
-            before = self._as_they_are(args)  # the failed call wrote to the inputs too
+            if before is not None:  # undo that call's writes: the program's forward writes them once
+                with torch.no_grad():
+                    for i in self.mutated:
+                        args[i].copy_(before[i])
         inputs = [args[i] for i in self.diff_args]
         others = [a for i, a in enumerate(args) if not self.is_input[i]]
         saved = None if before is None else [a for i, a in enumerate(before) if not self.is_input[i]]
