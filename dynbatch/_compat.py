@@ -63,6 +63,14 @@ def dynamo_utils_module() -> Any:
     return dynamo_utils
 
 
+def dynamo_torch_function_handlers() -> dict:
+    """Dynamo's table of special handlers of torch functions (``torch.autograd.grad``'s
+    among them): one cached dict, ``handler(variable, tx, *args, **kwargs)``."""
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    return TorchInGraphFunctionVariable._get_handlers()
+
+
 def register_backend(fn: Callable, name: str) -> None:
     """``register_backend`` unless ``name`` has a compiler already (the entry
     point loaded it, or an earlier call): registering a name twice raises.
@@ -351,6 +359,31 @@ def inductor_lowerings(wrappers: dict) -> Iterator[None]:
                 lowering.lowerings.pop(op, None)
             else:
                 lowering.lowerings[op] = original
+
+
+@contextlib.contextmanager
+def inductor_scheduler_keeps_mutation_renames() -> Iterator[None]:
+    """Inductor's ``SchedulerNode.recompute_size_and_body`` (torch 2.11-2.14, and
+    upstream's main as of this writing) re-reads a node's dependencies from its loop body
+    and renames them past earlier in-place writes only when the node also has a fake
+    dependency.  The C++ backend calls it to align the loops of two nodes it fuses, so a
+    node reading the result of a scatter (``zeros(N).index_add(...)``) then reads the
+    zero-filled buffer by its old name, fusion sees no cycle, and the read runs before
+    the scatter.  Applying the renames again is what the method means to do (renames
+    are idempotent: a node's renames map old names to names it does not rename)."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    original = SchedulerNode.recompute_size_and_body
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    SchedulerNode.recompute_size_and_body = recompute_size_and_body
+    try:
+        yield
+    finally:
+        SchedulerNode.recompute_size_and_body = original
 
 
 def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
@@ -689,11 +722,16 @@ def backed_hints(shape_env: Any) -> dict:
     return hints if hints is not None else shape_env.var_to_val
 
 
-def real_tensors():
-    """A context where new tensors are real even inside a compile's FakeTensorMode."""
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """A context where new tensors are plain real tensors: outside a compile's
+    FakeTensorMode and outside the user's transforms (functorch's, eager's legacy vmap),
+    which a compile may run under (a Hessian's outer vmap)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    return unset_fake_temporarily()
+    with unset_fake_temporarily(), outside_legacy_vmap(), temporarily_clear_interpreter_stack():
+        yield
 
 
 def realized_graph_module(gm: Any) -> Any:

@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, batching, capture, chunking, fx_utils, lowering, memory, region, requires_grad_tracing
+from . import (_compat, batching, capture, chunking, fx_utils, lowering, memory, region, requires_grad_tracing,
+               verify)
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -75,6 +76,8 @@ def dynbatch_backend(
         mutated_inputs=record.mutated_inputs,
     )
     record.region = weakref.ref(graph_region)
+    if opts.verify:
+        return verify.Verified(graph_region, _eager_forward(gm), record, record.mutated_inputs)
     return graph_region
 
 
@@ -166,6 +169,11 @@ def _fall_back(gm: torch.fx.GraphModule, record: CompileRecord, opts: Options, r
     if opts.on_unsupported == "error":
         raise UnsupportedGraph(f"dynbatch cannot batch this graph: {reason}")
     log.warning("dynbatch: falling back to eager for this graph: %s", reason)
+    return _eager_forward(gm)
+
+
+def _eager_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """The captured graph run eagerly, with the requires_grad_() of inputs it traced."""
     marked = requires_grad_tracing.inputs_given_requires_grad(gm)
     if not marked:
         return gm.forward

@@ -208,12 +208,44 @@ def _grads_traced_by_dynbatch():
             return trace_grad(node, args, kwargs)
         return original_run_node(tracer, node, args, kwargs, nnmodule)
 
+    handlers = _compat.dynamo_torch_function_handlers()
+    original_handler = handlers.get(torch.autograd.grad)
     with _compat.trace_autograd_ops_enabled():
         utils.run_node = run_node
+        if original_handler is not None:
+            handlers[torch.autograd.grad] = _with_grad_tensors_positional(original_handler)
         try:
             yield
         finally:
             utils.run_node = original_run_node
+            if original_handler is not None:
+                handlers[torch.autograd.grad] = original_handler
+
+
+# torch.autograd.grad's leading parameters, in order.
+_GRAD_POSITIONAL = ("outputs", "inputs", "grad_outputs")
+
+
+def _with_grad_tensors_positional(handler: Callable) -> Callable:
+    """Dynamo's handler of ``torch.autograd.grad``, called with ``outputs``, ``inputs``
+    and ``grad_outputs`` positional however the user spelt them.
+
+    Dynamo's checks of a traced grad (torch/_dynamo/variables/torch.py,
+    ``handle_autograd_grad``: GradientEdge arguments, external grad_fns, returned
+    tensors whose graph the grad consumed) read ``args[0]`` and ``args[1]`` only.
+    MACE's ``compute_forces`` calls ``grad(outputs=[e], inputs=[pos], ...)``: Dynamo
+    then missed that the returned energy's graph was consumed, and the compile failed
+    with "Trying to backward through the graph a second time".  With the tensors
+    positional, every check sees them and the node in the graph is the same."""
+    def handle_autograd_grad(variable: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        args = list(args)
+        for name in _GRAD_POSITIONAL[len(args):]:
+            if name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        return handler(variable, tx, *args, **kwargs)
+
+    return handle_autograd_grad
 
 
 def trace_grad(node: torch.fx.Node | None, args: Any, kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat, fx_utils, matmul_kernels, memory, passes
+from . import _compat, fail_soft, fx_utils, matmul_kernels, memory, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
@@ -86,8 +86,12 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
         _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
+        # Inductor's scheduler can read a scattered buffer before the scatter runs
+        # (_compat.inductor_scheduler_keeps_mutation_renames): never a wrong value.
         with _compat.inductor_lowerings({**_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT,
-                                         **routed_matmul_lowerings}):
+                                         **routed_matmul_lowerings}), \
+                fail_soft.soft("the fix of Inductor's fused reads of scattered buffers",
+                               _compat.inductor_scheduler_keeps_mutation_renames):
             return inner(aten_gm, aten_inputs, **kwargs)
 
     inductor_patterns_registered_outside_transforms(example_inputs)
@@ -95,10 +99,13 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     routed_matmul_lowerings = matmul_kernels.lowerings() if cpu_matmul != "aten" else {}
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
-    # copies of the primal: compute them once (passes.sink_expands); tall CPU
-    # products take the kernel measured fastest (passes.route_matmuls); unless
-    # the user brought their own pass.
-    config_patches.setdefault("post_grad_custom_pre_pass", passes.PostGradPasses(cpu_matmul))
+    # copies of the primal: compute them once (passes.sink_expands); scatters into
+    # expanded tensors get storage of their own (passes.clone_overlapping_scatter_targets);
+    # tall CPU products take the kernel measured fastest (passes.route_matmuls).  A pass
+    # the user brought replaces the speed passes, not the one that keeps values right.
+    users = config_patches.get("post_grad_custom_pre_pass",
+                               _compat.inductor_config_value("post_grad_custom_pre_pass"))
+    config_patches["post_grad_custom_pre_pass"] = passes.PostGradPasses(cpu_matmul, users_pass=users)
     return _compat.compile_fx(
         gm,
         example_inputs,

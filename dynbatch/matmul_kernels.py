@@ -179,9 +179,13 @@ def forget() -> None:
 
 
 def operands(m: int, k: int, n: int, dtype: torch.dtype, layouts: str = "rr") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random operands [m, k] and [k, n] in the given layouts ("r" row-major, "c" a transposed view)."""
-    a = torch.randn(m, k, dtype=dtype) if layouts[0] != "c" else torch.randn(k, m, dtype=dtype).t()
-    b = torch.randn(k, n, dtype=dtype) if layouts[1] != "c" else torch.randn(n, k, dtype=dtype).t()
+    """Random operands [m, k] and [k, n] in the given layouts ("r" row-major, "c" a transposed view),
+    drawn from a generator of their own: measuring never moves the user's random stream."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, dtype=dtype, generator=gen) if layouts[0] != "c" else \
+        torch.randn(k, m, dtype=dtype, generator=gen).t()
+    b = torch.randn(k, n, dtype=dtype, generator=gen) if layouts[1] != "c" else \
+        torch.randn(n, k, dtype=dtype, generator=gen).t()
     return a, b
 
 

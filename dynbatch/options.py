@@ -40,6 +40,9 @@ class Options:
     # with a dim of 1,024 or more), "aten" (Inductor's extern mm everywhere),
     # "flipped", "onednn" (that kernel wherever it applies).
     cpu_matmul: str = "auto"
+    # Run each compiled graph's first call eagerly too and compare; on a mismatch, run
+    # that graph eagerly from then on, with the reason logged (verify.py).
+    verify: bool = False
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -63,8 +66,9 @@ class Options:
         _check_choice("inner_compiler", ours.get("inner_compiler", "inductor"), INNER_COMPILERS)
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
         _check_choice("cpu_matmul", ours.get("cpu_matmul", "auto"), CPU_MATMUL)
-        if "record_graphs" in ours and not isinstance(ours["record_graphs"], bool):
-            raise ValueError("dynbatch: option dynbatch.record_graphs takes a bool")
+        for flag in ("record_graphs", "verify"):
+            if flag in ours and not isinstance(ours[flag], bool):
+                raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:
             ours["memory_budget"] = parse_memory_budget(ours["memory_budget"])
         chunk = ours.get("chunk_size")

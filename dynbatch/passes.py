@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _compat, fx_utils, matmul_kernels
 
@@ -79,6 +81,53 @@ def sink_expands(graph: torch.fx.Graph) -> int:
     return changed
 
 
+# Ops Inductor's reinplace pass may turn into in-place writes to their first argument
+# (torch/_inductor/fx_passes/reinplace.py: ``inplaceable_ops`` and the view-scatter ops it
+# canonicalises into a generalised scatter).
+_REINPLACEABLE = (aten.index_put.default, aten._unsafe_index_put.default, aten.slice_scatter.default,
+                  aten.select_scatter.default, aten.diagonal_scatter.default, aten.as_strided_scatter.default)
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Some element of ``t`` is stored where another is: a stride of 0 over more than one
+    element, as ``expand`` makes.  A symbolic size counts as more than one."""
+    return any(statically_known_true(st == 0) and not statically_known_true(sz == 1)
+               for sz, st in zip(t.shape, t.stride()))
+
+
+def clone_overlapping_scatter_targets(graph: torch.fx.Graph) -> int:
+    """index_put(expand(z), ...) -> index_put(clone(expand(z)), ...), and the same for the
+    view-scatter ops: their target gets storage of its own before Inductor sees it.
+
+    NOTE [Scatters into expanded tensors]
+    functorch's batching rule of ``index_put`` (and so of ``index_add``, ``index_copy``
+    and the backward of every gather) expands an unbatched target to [B, ...]: a
+    message-passing potential's ``zeros(N, F).index_add(0, idx, msg)`` becomes an
+    accumulating ``index_put`` into ``zeros(N, F).expand(B, N, F)`` in its batched
+    backward.  Functional semantics make that a fresh [B, N, F] result.  Inductor's
+    reinplace pass (torch 2.11-2.14) writes a functional ``index_put`` in place into its
+    first argument when nothing reads that storage later, without asking whether the
+    argument overlaps itself: all B samples then accumulate into one [N, F] buffer
+    (Hessians of such potentials were 13-37 % off).  A clone is a new storage, which the
+    reinplace pass may then write in place, as it is meant to.
+    """
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _REINPLACEABLE:
+            continue
+        target = node.args[0]
+        val = getattr(target, "meta", {}).get("val")
+        if not isinstance(val, torch.Tensor) or not _overlaps_itself(val):
+            continue
+        with graph.inserting_before(node):
+            copy = graph.call_function(aten.clone.default, (target,), {"memory_format": torch.contiguous_format})
+        with val.fake_mode:
+            copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        node.replace_input_with(target, copy)
+        changed += 1
+    return changed
+
+
 def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None] | None:
     """(a, b, bias) of ``mm(a, b)`` or ``addmm(bias, a, b)`` (with beta = alpha = 1)."""
     if node.op != "call_function":
@@ -147,21 +196,34 @@ def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
 
 class PostGradPasses(_compat.custom_graph_pass_base()):
     """dynbatch's aten passes as an Inductor ``post_grad_custom_pre_pass``: sink_expands,
-    then route_matmuls (uuid keys the FX cache)."""
+    clone_overlapping_scatter_targets, route_matmuls (uuid keys the FX cache).  With a
+    pass of the user's, only the clones run, then the user's pass."""
 
-    def __init__(self, cpu_matmul: str = "auto") -> None:
+    def __init__(self, cpu_matmul: str = "auto", users_pass: Callable | None = None) -> None:
         self.cpu_matmul = cpu_matmul
-        if cpu_matmul != "aten":
+        self.users_pass = users_pass
+        if cpu_matmul != "aten" and users_pass is None:
             # Registered now, not when the pass runs: a graph loaded from Inductor's
             # FX cache calls the kernel without this pass having run in this process.
             matmul_kernels.register()
         self.counts: dict[str, int] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.users_pass is not None:
+            self.counts = {"clone_overlapping_scatter_targets": clone_overlapping_scatter_targets(graph)}
+            self.users_pass(graph)
+            return
+        # The clones after sink_expands, which would move a clone (pointwise) past its expand.
         self.counts = {"sink_expands": sink_expands(graph),
+                       "clone_overlapping_scatter_targets": clone_overlapping_scatter_targets(graph),
                        "route_matmuls": route_matmuls(graph, self.cpu_matmul)}
 
-    def uuid(self) -> str:
-        # also keys lowering.py's choice of extern convolutions, which Inductor's
-        # FX graph cache would not see otherwise
-        return f"dynbatch-sink-expands-v3+extern-convolutions-v1+matmuls-v5-{self.cpu_matmul}"
+    def uuid(self) -> Any:
+        # also keys lowering.py's choice of extern convolutions and the scheduler fix
+        # (_compat.inductor_scheduler_keeps_mutation_renames), which Inductor's FX graph
+        # cache would not see otherwise
+        ours = "dynbatch-clone-scatter-targets-v1+scheduler-renames-v1+extern-convolutions-v1"
+        if self.users_pass is not None:
+            users = getattr(self.users_pass, "uuid", None)
+            return None if users is None else (ours, users())  # None: Inductor does not cache
+        return f"{ours}+sink-expands-v3+matmuls-v5-{self.cpu_matmul}"

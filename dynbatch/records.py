@@ -76,6 +76,15 @@ class Stats:
             if chunked:
                 self.counters["grads_chunked"] += chunked
 
+    def fell_back_later(self, record: CompileRecord, reason: str) -> None:
+        """A graph compiled earlier that runs eagerly from now on (verify.py)."""
+        with self._lock:
+            record.fallback_reason = reason
+            self.counters["fallbacks"] += 1
+            self.fallback_reasons[reason] += 1
+            if record.batched:
+                self.counters["graphs_batched"] -= 1
+
     def add_chunked(self, record: CompileRecord) -> None:
         """A graph compiled earlier whose grads a later call's sizes made chunked."""
         with self._lock:

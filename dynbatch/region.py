@@ -400,11 +400,13 @@ def _own_code(fn: Callable, name: str) -> Callable:
     counts recompiles) per code object, so programs -- and regions -- neither
     share a cache nor make each other's closure values symbolic."""
     _own_code.made += 1
+    _own_code.names.add(f"{name}_{_own_code.made}")
     return types.FunctionType(fn.__code__.replace(co_name=f"{name}_{_own_code.made}"), fn.__globals__,
                               closure=fn.__closure__)
 
 
 _own_code.made = 0
+_own_code.names = set()  # what Dynamo may compile of dynbatch's code: these programs only
 
 
 # NOTE [Only the grads a backward uses]
@@ -689,7 +691,10 @@ class _Direct:
 
 def _routed_backward(original: Callable) -> Callable:
     """The backward of a routed AOTAutograd class: its own for plain grads and for
-    nodes a _Direct did not make (a program's inner graph), dynbatch's otherwise."""
+    nodes a _Direct did not make (a program's inner graph), dynbatch's otherwise.
+    Kept from Dynamo as every entry from the engine is: a grad call that graph-broke runs
+    the engine with Dynamo's frame hook on, which then traced this plumbing."""
+    @_compat.dynamo_disable
     def backward(ctx, *args):
         call = getattr(ctx, "_dynbatch_call", None)
         if call is not None:
