@@ -71,6 +71,19 @@ def dynamo_torch_function_handlers() -> dict:
     return TorchInGraphFunctionVariable._get_handlers()
 
 
+def dynamo_breaks_at_grads(tx: Any) -> bool:
+    """Whether Dynamo's analysis of this frame breaks the graph at every
+    ``torch.autograd.grad`` (a returned tensor's graph was consumed on an earlier attempt)."""
+    return bool(getattr(getattr(tx, "speculation_log", None), "graph_break_on_autograd_grad", False))
+
+
+def dynamo_skip_frame_error(message: str) -> Exception:
+    """The exception that makes Dynamo run the frame it traces eagerly (its callees still compile)."""
+    from torch._dynamo import exc
+
+    return exc.SkipFrame(message)
+
+
 def register_backend(fn: Callable, name: str) -> None:
     """``register_backend`` unless ``name`` has a compiler already (the entry
     point loaded it, or an earlier call): registering a name twice raises.

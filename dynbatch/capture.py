@@ -50,6 +50,7 @@ import torch
 
 from . import _compat, batch_rules, fail_soft, requires_grad_tracing, zero_tangents
 from .batched_grad import batched_grad, forward_mode_jacobian
+from .records import STATS
 
 log = logging.getLogger("dynbatch")
 
@@ -222,6 +223,8 @@ def _grads_traced_by_dynbatch():
                 handlers[torch.autograd.grad] = original_handler
 
 
+# Counted when a frame runs eagerly: NOTE [A grad split from its intermediates].
+FRAMES_RUN_EAGERLY = "frames_run_eagerly"
 # torch.autograd.grad's leading parameters, in order.
 _GRAD_POSITIONAL = ("outputs", "inputs", "grad_outputs")
 
@@ -243,9 +246,45 @@ def _with_grad_tensors_positional(handler: Callable) -> Callable:
             if name not in kwargs:
                 break
             args.append(kwargs.pop(name))
+        if _compat.dynamo_breaks_at_grads(tx) and len(args) > 1 and not getattr(tx, "one_graph", False):
+            intermediates = _intermediates_differentiated(args[1])
+            if intermediates:  # NOTE [A grad split from its intermediates]
+                reason = (f"torch.autograd.grad w.r.t. {', '.join(intermediates)}, computed in this frame, "
+                          "would run after a graph break that makes them outputs of the compiled graph, "
+                          "unconnected to the outputs it differentiates")
+                log.warning("dynbatch: %s: the frame %s runs eagerly (its callees still compile)", reason,
+                            getattr(getattr(tx, "f_code", None), "co_name", "?"))
+                STATS.count(FRAMES_RUN_EAGERLY)
+                raise _compat.dynamo_skip_frame_error(f"dynbatch: {reason}")
         return handler(variable, tx, *args, **kwargs)
 
     return handle_autograd_grad
+
+
+# NOTE [A grad split from its intermediates]
+# Dynamo breaks the graph at every torch.autograd.grad of a frame once it has seen a grad
+# consume the graph of a tensor the frame returns (MACE's compute_forces with
+# training=False returns the energy).  The grad then runs after the compiled graph, and each
+# tensor it differentiates w.r.t. reaches it as one more output of that graph.  For a graph
+# input that is the same tensor; for a non-leaf computed inside the graph it is a sibling
+# output of AOTAutograd's node, which the differentiated outputs do not depend on: the grad
+# is None (stock Dynamo with any backend; MACE's stress came out zero).  Such a frame runs
+# eagerly instead (Dynamo's SkipFrame: the functions it calls are still compiled), counted
+# as ``frames_run_eagerly``.  Under fullgraph=True Dynamo's own graph-break error stands.
+
+def _intermediates_differentiated(inputs: Any) -> list[str]:
+    """Names of the non-leaf tensors computed in the frame among a grad's ``inputs``
+    (Dynamo variables: a tensor, or a list or tuple of them)."""
+    items = getattr(inputs, "items", None)
+    names = []
+    for var in items if items is not None else [inputs]:
+        proxy = getattr(var, "as_proxy", None)
+        node = getattr(proxy(), "node", None) if proxy is not None else None
+        value = node.meta.get("example_value") if node is not None else None
+        if (isinstance(value, torch.Tensor) and node.op != "placeholder" and value.requires_grad
+                and value.grad_fn is not None):
+            names.append(node.name)
+    return names
 
 
 def trace_grad(node: torch.fx.Node | None, args: Any, kwargs: Any) -> Any:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import time
+
 import pytest
 import torch
 
@@ -41,6 +44,10 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _FIRST_CALLS:
+        terminalreporter.section("real models: first compiled call (compile included), seconds")
+        for name, seconds in _FIRST_CALLS:
+            terminalreporter.write_line(f"{seconds:8.1f}  {name}")
     if not _OPINFO_FROM_WORKERS:
         return
     import test_opinfo  # tests/ is on sys.path, as for every test module's imports
@@ -48,6 +55,34 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("dynbatch OpInfo figures, every worker's")
     for line in test_opinfo.figures(test_opinfo.merge_records(_OPINFO_FROM_WORKERS)):
         terminalreporter.write_line(line)
+
+
+# --- the real-model suite (tests/models, -m models) -----------------------------------
+
+_MODELS = pathlib.Path(__file__).parent / "models"
+_FIRST_CALLS: list[tuple[str, float]] = []
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/models is not even imported unless ``-m`` selects the models: importing a
+    package such as mace-torch changes process state (it sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD)."""
+    if _MODELS not in (collection_path, *collection_path.parents):
+        return None
+    expression = config.getoption("markexpr") or ""
+    return True if "models" not in expression or "not models" in expression else None
+
+
+@pytest.fixture
+def first_call(request):
+    """``first_call(fn, *args)``: ``fn(*args)``, its seconds (compile included) kept for the
+    summary that ends a real-model run."""
+    def timed(fn, *args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        _FIRST_CALLS.append((request.node.name, time.perf_counter() - start))
+        return out
+
+    return timed
 
 
 def reset_all() -> None:

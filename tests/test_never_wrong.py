@@ -415,3 +415,22 @@ def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
             and c.co_name not in region._own_code.names]  # the programs dynbatch compiles on purpose
     assert ours == [], [f"{c.co_filename}:{c.co_name}" for c in ours]
     assert dynbatch.counters()["outside_plain"] >= 1
+
+
+# --- a grad w.r.t. an intermediate, split from it by a graph break ------------------
+
+def test_grad_wrt_an_intermediate_after_a_graph_break_runs_the_frame_eagerly(caplog):
+    # MACE's stress: the displacement is computed in the frame, the energy returned.
+    # Stock Dynamo (any backend) returns None for the displacement's grad here.
+    def energy_and_grads(pos):
+        displacement = torch.zeros(3, 3, dtype=pos.dtype) + pos.sum() * 0.0
+        energy = (pos + pos @ displacement).pow(2).sum()
+        grads = torch.autograd.grad(outputs=[energy], inputs=[pos, displacement], allow_unused=True)
+        return energy, grads
+
+    pos = torch.randn(4, 3, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="dynbatch"):
+        got = torch.compile(energy_and_grads, backend="dynbatch")(pos)
+    torch.testing.assert_close(got, energy_and_grads(pos))
+    assert dynbatch.counters()["frames_run_eagerly"] == 1
+    assert "runs eagerly" in caplog.text
