@@ -48,8 +48,30 @@ def is_pointwise(node: torch.fx.Node) -> bool:
 def draws_random_numbers(node: torch.fx.Node) -> bool:
     """An aten graph's op that draws random numbers (torch's ``nondeterministic_seeded``
     op tag): a re-run draws others, and B expanded copies draw B samples where one
-    call draws one."""
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    call draws one.  An attention or dropout op called with a dropout probability of 0
+    (``dropout_p``, ``p``) or outside training (``train=False``) draws none: the tag is
+    the op's, whatever its arguments (``scaled_dot_product_attention`` in eval mode)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    return not _drops_nothing(node)
+
+
+def _drops_nothing(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    values = {}
+    for i, argument in enumerate(schema.arguments):
+        if i < len(node.args):
+            values[argument.name] = node.args[i]
+        elif argument.name in node.kwargs:
+            values[argument.name] = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            values[argument.name] = argument.default_value
+    if values.get("train") is False:
+        return True
+    probability = values.get("dropout_p", values.get("p"))
+    return isinstance(probability, (int, float)) and not isinstance(probability, bool) and probability == 0
 
 
 def random_op_origins(gm: torch.fx.GraphModule) -> set[str | None]:

@@ -434,3 +434,27 @@ def test_grad_wrt_an_intermediate_after_a_graph_break_runs_the_frame_eagerly(cap
     torch.testing.assert_close(got, energy_and_grads(pos))
     assert dynbatch.counters()["frames_run_eagerly"] == 1
     assert "runs eagerly" in caplog.text
+
+
+def test_attention_without_dropout_is_not_a_random_op():
+    # scaled_dot_product_attention's CPU op carries torch's nondeterministic_seeded tag even
+    # at dropout_p=0 (every transformer in eval mode): a batched grad from outside looped
+    # per sample over the compiled backward instead of running it batched.
+    from conftest import AOT_EAGER
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x).view(2, 3, 2, 4).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    block = Attention().double()
+    compiled = torch.compile(block, backend="dynbatch", options=AOT_EAGER)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    jacobian = functools.partial(torch.autograd.functional.jacobian, inputs=x, vectorize=True)
+    torch.testing.assert_close(jacobian(compiled), jacobian(block))
+    assert dynbatch.compile_records()[0].random_ops == ()
+    assert dynbatch.counters()["outside_batched_compiled"] >= 1
