@@ -11,7 +11,6 @@ import logging
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from .records import STATS, CompileRecord
 
@@ -37,8 +36,8 @@ _RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bf
 
 
 def mismatch(compiled: Any, eager: Any) -> str | None:
-    """Why ``compiled`` is not ``eager`` (pytrees of outputs); None when they agree."""
-    c_leaves, e_leaves = pytree.tree_leaves(compiled), pytree.tree_leaves(eager)
+    """Why ``compiled`` is not ``eager`` (lists and tuples of outputs); None when they agree."""
+    c_leaves, e_leaves = _leaves(compiled), _leaves(eager)
     if len(c_leaves) != len(e_leaves):
         return f"{len(c_leaves)} outputs where eager has {len(e_leaves)}"
     for i, (c, e) in enumerate(zip(c_leaves, e_leaves)):
@@ -47,6 +46,13 @@ def mismatch(compiled: Any, eager: Any) -> str | None:
         if why is not None:
             return f"output {i}: {why}"
     return None
+
+
+def _leaves(outputs: Any) -> list[Any]:
+    """A graph's outputs, flat (Dynamo's graphs return lists and tuples of tensors)."""
+    if isinstance(outputs, (list, tuple)):
+        return [leaf for o in outputs for leaf in _leaves(o)]
+    return [outputs]
 
 
 def _tensor_mismatch(c: Any, e: torch.Tensor) -> str | None:
