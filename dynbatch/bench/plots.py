@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .report import REFERENCE, columns, figure, ok, same_memory_method
 from .training import COLUMNS as TRAINING_COLUMNS
@@ -188,24 +188,30 @@ def training(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def figures(results: dict[str, Any]) -> dict[str, Callable[[Path], Path]]:
+    """The figures ``results`` has data for: name -> a function that draws it into a path.
+
+    Naming them apart from drawing lets ``report`` link a figure without matplotlib.
+    """
+    device = results["meta"]["device_name"]
+    found: dict[str, Callable[[Path], Path]] = {}
+    if results["problems"]:
+        found["time_vs_batch"] = lambda path: against_batch(
+            results, "median_s", "median time per call (s)", f"Steady-state time vs batch size — {device}", path,
+            with_floor=True)
+        found["compile_vs_batch"] = lambda path: against_batch(
+            results, "first_call_s", "first call (s)", f"First call, compile included, vs batch size — {device}",
+            path)
+        found["memory_vs_batch"] = lambda path: memory_vs_batch(results, path)
+        found["speedup"] = lambda path: speedup(results, path)
+    if results.get("training"):
+        found["training"] = lambda path: training(results, path)
+    return found
+
+
 def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = results["meta"]["device_name"]
-    paths = {}
-    if results["problems"]:
-        paths = {
-            "time_vs_batch": against_batch(results, "median_s", "median time per call (s)",
-                                           f"Steady-state time vs batch size — {device}",
-                                           out_dir / "time_vs_batch.png", with_floor=True),
-            "compile_vs_batch": against_batch(results, "first_call_s", "first call (s)",
-                                              f"First call, compile included, vs batch size — {device}",
-                                              out_dir / "compile_vs_batch.png"),
-            "memory_vs_batch": memory_vs_batch(results, out_dir / "memory_vs_batch.png"),
-            "speedup": speedup(results, out_dir / "speedup.png"),
-        }
-    if results.get("training"):
-        paths["training"] = training(results, out_dir / "training.png")
-    return paths
+    return {name: draw(out_dir / f"{name}.png") for name, draw in figures(results).items()}
 
 
 def memory_vs_batch(results: dict[str, Any], path: Path) -> Path:
