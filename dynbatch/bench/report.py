@@ -19,6 +19,8 @@ OURS = "dynbatch"
 # dynbatch's own other configurations (a tight memory budget; CUDA graphs; the grad outside the
 # compiled f): not rival columns, so "best other" leaves them out.
 OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside")
+# The grad taken outside a compiled model: the summary shows its cost over the grad inside.
+OUTSIDE = "dynbatch_outside"
 
 
 # --- reading cells --------------------------------------------------------------
@@ -43,6 +45,10 @@ def ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base <= 0:
         return None
     return value / base
+
+
+def geomean(ratios: list[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 def best_other(case: dict[str, Any], key: str, usable=lambda cell: True,
@@ -120,7 +126,9 @@ def _case_cells(problem, case, cols, notes, render: Callable[[dict, str], str]) 
 
 def summary_table(results) -> str:
     """dynbatch's time per case and its ratios, including to the best torch column
-    (JAX is another framework: its lead says less about what dynbatch could reach)."""
+    (JAX is another framework: its lead says less about what dynbatch could reach), and,
+    where the run had it, what taking the grad outside a compiled model costs."""
+    outside = OUTSIDE in columns(results)
     body = []
     for problem, case in rows(results):
         ours = figure(case, OURS, "median_s")
@@ -132,9 +140,12 @@ def summary_table(results) -> str:
         for exclude in ((), ("jax",)):
             other, value = best_other(case, "median_s", exclude=exclude)
             cells.append(f"{fmt_ratio(ratio(ours, value))} ({other})" if other else "–")
-        body.append(cells + [fmt_ratio(ratio(ours, floor))])
+        cells.append(fmt_ratio(ratio(ours, floor)))
+        if outside:
+            cells.append(fmt_ratio(ratio(figure(case, OUTSIDE, "median_s"), ours)))
+        body.append(cells)
     return table(["problem", "case", "dynbatch ms", "/ eager_batched", "/ best other column",
-                  "/ best torch column", "/ floor"], body)
+                  "/ best torch column", "/ floor"] + ([f"{OUTSIDE} / dynbatch"] if outside else []), body)
 
 
 def versus_best_other(results, exclude: tuple[str, ...] = ()) -> dict[str, Any] | None:
@@ -148,7 +159,7 @@ def versus_best_other(results, exclude: tuple[str, ...] = ()) -> dict[str, Any] 
             found.append((f"{problem['problem']} {case['label']}", ours / value, other))
     if not found:
         return None
-    return {"geomean": math.exp(sum(math.log(r) for _, r, _ in found) / len(found)), "cases": len(found),
+    return {"geomean": geomean([r for _, r, _ in found]), "cases": len(found),
             "above_1_1": [(name, r, other) for name, r, other in found if r > 1.1]}
 
 
@@ -161,6 +172,10 @@ def versus_sentence(results) -> str:
         worst = ", ".join(f"{n} ×{r:.2f} ({o})" for n, r, o in sorted(v["above_1_1"], key=lambda t: -t[1]))
         parts.append(f"dynbatch / {label}: geometric mean ×{v['geomean']:.2f} over {v['cases']} cases; "
                      f"{len(v['above_1_1'])} above ×1.1" + (f": {worst}." if worst else "."))
+    outside = [r for _, case in rows(results)
+               if (r := ratio(figure(case, OUTSIDE, "median_s"), figure(case, OURS, "median_s"))) is not None]
+    if outside:
+        parts.append(f"{OUTSIDE} / dynbatch: geometric mean ×{geomean(outside):.2f} over {len(outside)} cases.")
     return " ".join(parts)
 
 
@@ -411,3 +426,4 @@ def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
     paths["md"].write_text(markdown(results))
     return paths
+
