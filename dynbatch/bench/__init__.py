@@ -13,12 +13,13 @@ Modules, one concern each:
 - measure.py: timing, memory and error of one cell;
 - stock.py: the stock torch.compile column, in a subprocess with a time limit;
 - runner.py: running every column on every case, with a progress bar;
-- report.py / plots.py: results.json, results.md and the PNG figures;
+- report.py / plots.py: results.json, results.md and the PNG figures; the ``report``
+  command, which rewrites docs/benchmarks.md's tables and plots from results files;
 - cli.py: what the commands share (flags, argument types, core pinning);
 - __main__.py: the command line: the run above, or one of the commands
   ``overhead`` (overhead.py: where a small call's time goes), ``ab`` (ab.py: one
-  option at several settings, side by side) and ``gemm`` (gemm.py: one CPU
-  product by each kernel).
+  option at several settings, side by side), ``gemm`` (gemm.py: one CPU
+  product by each kernel) and ``report`` (report.py: the docs' tables).
 """
 
 from .variants import REFERENCE, VARIANTS

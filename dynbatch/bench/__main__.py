@@ -1,5 +1,5 @@
 """Command line: ``python -m dynbatch.bench [--quick] [--device cuda] ...``, or
-``python -m dynbatch.bench overhead|ab|gemm ...`` (COMMANDS)."""
+``python -m dynbatch.bench overhead|ab|gemm|report ...`` (COMMANDS)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ ALL_WORKLOADS = [*WORKLOADS, *training.WORKLOADS]
 # python -m dynbatch.bench <command> ...: each in a module of its own, imported when named.
 COMMANDS = {"overhead": "per-call overhead of the columns: where a small call's time goes",
             "ab": "A/B of dynbatch or Inductor options on the same cells, side by side",
-            "gemm": "one CPU matrix product by each kernel (ATen, oneDNN, XLA)"}
+            "gemm": "one CPU matrix product by each kernel (ATen, oneDNN, XLA)",
+            "report": "the tables and plots docs/benchmarks.md shows, rewritten from results JSON files"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
