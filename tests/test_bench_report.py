@@ -1,5 +1,5 @@
 """``python -m dynbatch.bench report`` (issue 37): the tables a markdown file shows between
-markers are rewritten from a results file.
+markers are rewritten from a results file, and docs/benchmarks.md's are its files' own.
 
 Every expected cell is computed from the results the test hands over, with report.py's own
 formatting, never copied from a table.  Nothing here runs a benchmark, and only the one
@@ -9,11 +9,16 @@ test that draws plots needs matplotlib.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dynbatch.bench import plots, report
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "benchmarks.md"
 
 
 def _cell(ms: float) -> dict:
@@ -158,3 +163,18 @@ def test_report_draws_the_plots_its_blocks_link(toy):
         assert f"]({path.relative_to(doc.parent)})" in doc.read_text()
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
 
+
+def test_benchmarks_md_shows_every_results_file_as_it_is(tmp_path, monkeypatch):
+    """docs/benchmarks.md's blocks are what `report` makes of docs/results today, every
+    results file has a block, and every plot a block links is committed."""
+    monkeypatch.chdir(REPO)  # the markers name their files from the repository's root
+    results = sorted(Path("docs/results").glob("*.json"))
+    sources = {Path(m["source"]) for m in report.BLOCK.finditer(DOC.read_text())}
+    assert sources == set(results), "a results file without a block in docs/benchmarks.md, or a block without its file"
+    copy = tmp_path / "benchmarks.md"
+    shutil.copy(DOC, copy)
+    assert report.main([*map(str, results), "--doc", str(copy), "--no-plots"]) == 0
+    assert copy.read_text() == DOC.read_text(), (
+        "docs/benchmarks.md differs from docs/results: run python -m dynbatch.bench report docs/results/*.json")
+    for link in re.findall(r"\]\((img/[^)]+)\)", DOC.read_text()):
+        assert (DOC.parent / link).is_file(), link
