@@ -263,6 +263,25 @@ def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
 
 
+def functorch_vmap_impl() -> Callable | None:
+    """``torch.vmap``'s implementation, which dynbatch traces without its chunk loop."""
+    import torch._functorch.vmap as vmap_module
+
+    return getattr(vmap_module, "vmap_impl", None)
+
+
+def functorch_vmap_unchunked(func: Callable, in_dims: Any, out_dims: Any, randomness: str,
+                             chunk_size: int | None, *args: Any, **kwargs: Any) -> Any:
+    """``vmap_impl`` with ``chunk_size`` ignored: the one-call branch of its body."""
+    import torch._functorch.vmap as vmap_module
+
+    vmap_module.lazy_load_decompositions()
+    vmap_module._check_out_dims_is_int_or_int_pytree(out_dims, func)
+    batch_size, flat_in_dims, flat_args, args_spec = vmap_module._process_batched_inputs(in_dims, args, func)
+    return vmap_module._flat_vmap(func, batch_size, flat_in_dims, flat_args, args_spec, out_dims,
+                                  randomness, **kwargs)
+
+
 def decomposition_table() -> dict:
     from torch._decomp import decomposition_table as table
 

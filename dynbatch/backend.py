@@ -47,11 +47,12 @@ def dynbatch_backend(
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
+    eager_gm, gm = gm, batching.batch_vmapped_grads(gm)
     result = batching.batch_grads(gm)
     record.batched, record.plain = result.batched, result.plain
     if result.unsupported:
         reason = "; ".join(f"{u.node}: {u.reason}" for u in result.unsupported)
-        return _fall_back(gm, record, opts, reason)
+        return _fall_back(eager_gm, record, opts, reason)
     if opts.record_graphs:
         record.batched_graph = graph_text(result.graph_module, "batched")
 
@@ -63,7 +64,7 @@ def dynbatch_backend(
         if not result.batched:
             raise  # nothing of ours in it: the inner compiler's own error
         # "error" raises UnsupportedGraph here, chained to the lowering's exception.
-        return _fall_back(gm, record, opts, f"lowering the batched graph failed: {type(e).__name__}: {e}")
+        return _fall_back(eager_gm, record, opts, f"lowering the batched graph failed: {type(e).__name__}: {e}")
     STATS.add(record)
     log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)%s",
              len(record.batched), len(record.plain), _plan_text(record))
@@ -77,7 +78,7 @@ def dynbatch_backend(
     )
     record.region = weakref.ref(graph_region)
     if opts.verify:
-        return verify.Verified(graph_region, _eager_forward(gm), record, record.mutated_inputs)
+        return verify.Verified(graph_region, _eager_forward(eager_gm), record, record.mutated_inputs)
     return graph_region
 
 

@@ -130,6 +130,7 @@ def capture_scope():
     _compat.fake_cuda_guard_outlives_threads()
     soft = fail_soft.soft
     jacfwd = _compat.functional_forward_jacobian()
+    vmap_impl = _compat.functorch_vmap_impl()
     with (
         soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules),
         soft("symbolic sizes of forward mode's zero tangents", zero_tangents.symbolic_zero_tangents),
@@ -139,6 +140,9 @@ def capture_scope():
         # after the line above, which maps every function of the module to plain inlining
         soft("the forward-mode Jacobian",
              lambda: dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
+             else contextlib.nullcontext()),
+        soft("one batched graph for a chunked torch.vmap",
+             lambda: dynamo_substitutes(vmap_impl, _compat.functorch_vmap_unchunked) if vmap_impl
              else contextlib.nullcontext()),
         soft("tracing requires_grad_() (torch 2.11)",
              requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),

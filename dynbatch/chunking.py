@@ -173,12 +173,12 @@ def chunk_grads(
     captured graph.
     """
     refused: dict[str, str] = {}
-    global_state = _global_state_nodes(original.graph)
     new_gm = fx_utils.copy_graph_module(batched)
     by_name = {n.name: n for n in original.graph.nodes}
     new_by_name = {n.name: n for n in new_gm.graph.nodes}
     for name in names:
         try:
+            global_state = _global_state_nodes_before(by_name[name])
             if global_state:
                 raise Refused(f"the graph changes global state ({global_state[0]}); a re-run of part of it "
                               "would run in another mode")
@@ -233,9 +233,13 @@ def _has_effects(node: torch.fx.Node) -> bool:
             or (node.op == "call_function" and name.startswith("set_")))
 
 
-def _global_state_nodes(graph: torch.fx.Graph) -> list[str]:
+def _global_state_nodes_before(grad: torch.fx.Node) -> list[str]:
+    """Global-state calls a re-run of the grad's part could run under: those before it
+    (one after it changes nothing the part computes)."""
     found = []
-    for node in graph.nodes:
+    for node in grad.graph.nodes:
+        if node is grad:
+            break
         if node.op == "call_function":
             name = getattr(node.target, "__name__", str(node.target))
             if any(w in name for w in _GLOBAL_STATE_WORDS):

@@ -176,6 +176,25 @@ def test_functional_hessian_vectorize():
     assert dynbatch.counters()["grads_plain"] == 1
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1, 4])
+def test_torch_vmap_of_grads_with_a_chunk_size_is_one_batched_grad(chunk_size):
+    """MACE's Hessian: ``torch.vmap(vjp, chunk_size=1)`` over an identity basis.  The chunk
+    loop is not unrolled into one grad per chunk: the vmapped grad is traced once."""
+
+    def f(pos):
+        forces = -torch.autograd.grad(mlp(pos).pow(2).sum(), pos, create_graph=True)[0]
+        flat = forces.view(-1)
+
+        def vjp(v):
+            return torch.autograd.grad(-1 * flat, pos, v, retain_graph=True)
+
+        basis = torch.eye(flat.shape[0])
+        return torch.vmap(vjp, in_dims=0, out_dims=0, chunk_size=chunk_size)(basis)[0]
+
+    check(f, torch.randn(3, 6), batched=1)  # the vmapped grad, once (not 18 times)
+    assert dynbatch.counters()["grads_plain"] == 1  # the forces
+
+
 def test_plain_grad_and_batched_grad_in_one_graph():
     """Forces (-dE/dx) by a plain grad and the Hessian by a batched grad."""
 

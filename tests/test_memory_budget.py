@@ -256,6 +256,24 @@ def test_hessian_rows_within_a_budget_equal_eager_and_the_plan_is_logged(caplog)
     assert dynbatch.counters()["grads_chunked"] == 1
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_hessian_rows_by_torch_vmap_within_a_budget(chunk_size):
+    """MACE's spelling: ``torch.vmap(vjp, chunk_size=...)`` over the basis; the vmapped grad
+    is one of dynbatch's batched grads (NOTE [Grads under torch.vmap]), so the budget chunks it."""
+    def rows(pos, V):
+        pos = pos.detach().requires_grad_()
+        g = grad(lj_energy(pos), pos, create_graph=True)[0]
+        return torch.vmap(lambda v: grad(g, pos, v, retain_graph=True)[0], chunk_size=chunk_size)(V)
+
+    pos = lattice(10)
+    V = torch.eye(30).view(30, 10, 3)
+    out = compile_dynbatch(rows, options={"dynbatch.memory_budget": "20KB"})(pos, V)
+    assert_same_grads(out, eager_rows(pos, V))
+    (plan,) = plans()
+    assert plan.applied and plan.batch == 30 and plan.chunks > 1, plan
+    assert dynbatch.counters()["grads_chunked"] == 1
+
+
 def test_functional_hessian_within_a_budget():
     def hess(pos):
         return AF.hessian(lj_energy, pos, vectorize=True)

@@ -116,6 +116,23 @@ def test_hessian_rows_outside_the_compiled_model(first_call):
     assert dynbatch.counters()["outside_batched_compiled"] >= 1
 
 
+def test_own_hessian_is_one_batched_graph(first_call):
+    """``compute_hessian=True``: MACE maps its vjp with ``torch.vmap(..., chunk_size=1)``; the
+    chunks are not unrolled (one grad per row): the mapped grad is one batched grad."""
+    model, z_table = _mace()
+    compiled = torch.compile(model, backend="dynbatch")
+    batch = _batch(["CH4", "H2O"], z_table)
+    kwargs = {"training": False, "compute_force": True, "compute_hessian": True}
+    got = first_call(compiled, _fresh(batch), **kwargs)
+    expected = model(_fresh(batch), **kwargs)
+    for key in ("energy", "forces", "hessian"):
+        torch.testing.assert_close(got[key], expected[key], **CLOSE)
+    counts = dynbatch.counters()
+    # one graph: the forces, and the vmapped vjp as one batched grad over all 24 rows
+    assert counts["graphs"] == 1 and counts["grads_plain"] == 1 and counts["grads_batched"] == 1, counts
+    assert counts.get("fallbacks", 0) == 0, dynbatch.fallback_reasons()
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "a known wrong value, stock torch.compile's too: MACE returns the displacement it creates "
     "(get_symmetric_displacement) beside the positions computed from it, then differentiates the "
