@@ -71,10 +71,11 @@ def dynamo_torch_function_handlers() -> dict:
     return TorchInGraphFunctionVariable._get_handlers()
 
 
-def dynamo_breaks_at_grads(tx: Any) -> bool:
-    """Whether Dynamo's analysis of this frame breaks the graph at every
-    ``torch.autograd.grad`` (a returned tensor's graph was consumed on an earlier attempt)."""
-    return bool(getattr(getattr(tx, "speculation_log", None), "graph_break_on_autograd_grad", False))
+def dynamo_graph_break_error() -> type[Exception]:
+    """What Dynamo raises where it breaks the graph (``unimplemented``)."""
+    from torch._dynamo import exc
+
+    return exc.Unsupported
 
 
 def dynamo_skip_frame_error(message: str) -> Exception:

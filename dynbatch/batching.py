@@ -86,16 +86,28 @@ def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
         elif UNSUPPORTED in node.meta:
             unsupported.append(Unsupported(node.name, node.meta[UNSUPPORTED]))
         elif is_batched_grad_call(node):
+            _retain_graph(node)
             node.target = batched_grad
             node.meta[_compat.GRAD_NODE_META] = node.name  # how the memory plan names it
             batched.append(node.name)
         else:
+            _retain_graph(node)
             plain.append(node.name)
     if unsupported:
         # The caller falls back on the original graph; don't hand out a half-rewritten one.
         return BatchingResult(gm, (), tuple(plain), tuple(unsupported))
     new_gm.recompile()
     return BatchingResult(new_gm, tuple(batched), tuple(plain), ())
+
+
+def _retain_graph(node: torch.fx.Node) -> None:
+    """Trace the grad with ``retain_graph=True``: the graph may return tensors whose autograd
+    graph it consumes, which AOTAutograd then differentiates (NOTE [A grad that consumes
+    returned tensors] in capture.py)."""
+    if len(node.args) > 3:  # retain_graph given by position
+        node.args = (*node.args[:3], True, *node.args[4:])
+    else:
+        node.kwargs = {**node.kwargs, "retain_graph": True}
 
 
 def _is_add_batch_dim(node: torch.fx.Node) -> bool:

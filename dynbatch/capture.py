@@ -144,6 +144,7 @@ def capture_scope():
         soft("one batched graph for a chunked torch.vmap",
              lambda: dynamo_substitutes(vmap_impl, _compat.functorch_vmap_unchunked) if vmap_impl
              else contextlib.nullcontext()),
+        soft("one graph where a grad consumes what the frame returns", _returned_graphs_stay_whole),
         soft("tracing requires_grad_() (torch 2.11)",
              requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),
         # after the line above: inputs here, the rest passed on to it
@@ -202,6 +203,36 @@ def dynamo_substitutes(original: Callable, replacement: Callable) -> Iterator[No
 
 
 @contextlib.contextmanager
+def _returned_graphs_stay_whole():
+    """NOTE [A grad that consumes returned tensors]
+
+    MACE's inference returns the energy whose graph its force grad consumed
+    (``retain_graph=False``).  Stock Dynamo then re-traces the frame with a graph
+    break before the grad (``_validate_outputs_safe_for_autograd_nodes``): the
+    graph before the break returns the energy *and* the tensors the grad
+    differentiates by (MACE's displacement), siblings to autograd, so the grad
+    w.r.t. them is None and MACE's stress zero.  dynbatch keeps the frame whole:
+    the grad stays in the graph and AOTAutograd computes it; the batching pass
+    traces every grad with ``retain_graph=True`` so that AOTAutograd can still
+    differentiate the returned tensors (a compiled graph is functional: nothing
+    is freed at run time either way).  The one difference from eager: a backward
+    through the returned energy later works where eager raises "Trying to
+    backward through the graph a second time"."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    name = "_validate_outputs_safe_for_autograd_nodes"
+    original = OutputGraph.__dict__.get(name)
+    if original is None:  # torch 2.11: no such check, nothing to undo
+        yield
+        return
+    setattr(OutputGraph, name, lambda self, rv, tx: None)
+    try:
+        yield
+    finally:
+        setattr(OutputGraph, name, original)
+
+
+@contextlib.contextmanager
 def _grads_traced_by_dynbatch():
     """``torch.autograd.grad`` as a graph node, fake-run by ``trace_grad``: both or
     neither (stock Dynamo's fake run of a batched grad crashes on symbolic sizes)."""
@@ -250,26 +281,29 @@ def _with_grad_tensors_positional(handler: Callable) -> Callable:
             if name not in kwargs:
                 break
             args.append(kwargs.pop(name))
-        if _compat.dynamo_breaks_at_grads(tx) and len(args) > 1 and not getattr(tx, "one_graph", False):
-            intermediates = _intermediates_differentiated(args[1])
-            if intermediates:  # NOTE [A grad split from its intermediates]
-                reason = (f"torch.autograd.grad w.r.t. {', '.join(intermediates)}, computed in this frame, "
-                          "would run after a graph break that makes them outputs of the compiled graph, "
-                          "unconnected to the outputs it differentiates")
-                log.warning("dynbatch: %s: the frame %s runs eagerly (its callees still compile)", reason,
-                            getattr(getattr(tx, "f_code", None), "co_name", "?"))
-                STATS.count(FRAMES_RUN_EAGERLY)
-                raise _compat.dynamo_skip_frame_error(f"dynbatch: {reason}")
-        return handler(variable, tx, *args, **kwargs)
+        try:
+            return handler(variable, tx, *args, **kwargs)
+        except _compat.dynamo_graph_break_error():
+            intermediates = _intermediates_differentiated(args[1]) if len(args) > 1 else []
+            if not intermediates or getattr(tx, "one_graph", False):
+                raise
+            # NOTE [A grad split from its intermediates]
+            reason = (f"torch.autograd.grad w.r.t. {', '.join(intermediates)}, computed in this frame, "
+                      "would run after a graph break that makes them outputs of the compiled graph, "
+                      "unconnected to the outputs it differentiates")
+            log.warning("dynbatch: %s: the frame %s runs eagerly (its callees still compile)", reason,
+                        getattr(getattr(tx, "f_code", None), "co_name", "?"))
+            STATS.count(FRAMES_RUN_EAGERLY)
+            raise _compat.dynamo_skip_frame_error(f"dynbatch: {reason}") from None
 
     return handle_autograd_grad
 
 
 # NOTE [A grad split from its intermediates]
-# Dynamo breaks the graph at every torch.autograd.grad of a frame once it has seen a grad
-# consume the graph of a tensor the frame returns (MACE's compute_forces with
-# training=False returns the energy).  The grad then runs after the compiled graph, and each
-# tensor it differentiates w.r.t. reaches it as one more output of that graph.  For a graph
+# Where Dynamo breaks the graph at a torch.autograd.grad (it cannot trace a grad through an
+# input's grad_fn made outside the frame, nor one that consumes a graph a grad consumed
+# before), the grad runs after the compiled graph, and each tensor it differentiates w.r.t.
+# reaches it as one more output of that graph.  For a graph
 # input that is the same tensor; for a non-leaf computed inside the graph it is a sibling
 # output of AOTAutograd's node, which the differentiated outputs do not depend on: the grad
 # is None (stock Dynamo with any backend; MACE's stress came out zero).  Such a frame runs
@@ -279,11 +313,14 @@ def _with_grad_tensors_positional(handler: Callable) -> Callable:
 def _intermediates_differentiated(inputs: Any) -> list[str]:
     """Names of the non-leaf tensors computed in the frame among a grad's ``inputs``
     (Dynamo variables: a tensor, or a list or tuple of them)."""
-    items = getattr(inputs, "items", None)
+    from torch._dynamo.variables import BaseListVariable, TensorVariable
+
+    variables = inputs.items if isinstance(inputs, BaseListVariable) else [inputs]
     names = []
-    for var in items if items is not None else [inputs]:
-        proxy = getattr(var, "as_proxy", None)
-        node = getattr(proxy(), "node", None) if proxy is not None else None
+    for var in variables:
+        if not isinstance(var, TensorVariable):  # a GradientEdge, a constant: not a tensor of the graph
+            continue
+        node = var.as_proxy().node
         value = node.meta.get("example_value") if node is not None else None
         if (isinstance(value, torch.Tensor) and node.op != "placeholder" and value.requires_grad
                 and value.grad_fn is not None):

@@ -33,7 +33,6 @@ def outside_path_program(h, W, V):
 
 CASES = {
     "gradient_edge": (gradient_edge_program, lambda: (torch.randn(3, requires_grad=True), torch.randn(2, 3))),
-    "consumed_graph_returned": (consumed_graph_program, lambda: (torch.randn(3, requires_grad=True), torch.randn(2, 3))),
     "grad_fn_from_outside": (
         outside_path_program,
         lambda: ((torch.randn(4, requires_grad=True) * 2).reshape(2, 2), torch.randn(2, 2, requires_grad=True),
@@ -72,3 +71,14 @@ def test_fullgraph_raises_dynamos_error(case):
     fn, make_args = CASES[case]
     with pytest.raises(torch._dynamo.exc.Unsupported):
         compile_dynbatch(fn, fullgraph=True)(*make_args())
+
+
+def test_a_returned_tensor_whose_graph_the_grad_consumed_stays_in_one_graph():
+    """Stock Dynamo refuses this frame in one graph (it breaks before the grad); dynbatch keeps
+    it whole (NOTE [A grad that consumes returned tensors] in capture.py), with eager's values."""
+    x, V = torch.randn(3, requires_grad=True), torch.randn(2, 3)
+    y, g = compile_dynbatch(consumed_graph_program)(x, V)  # fullgraph=True
+    y_eager, g_eager = consumed_graph_program(x, V)
+    torch.testing.assert_close((y, g), (y_eager, g_eager))
+    assert dynbatch.counters()["graphs"] == 1 and dynbatch.counters()["grads_batched"] == 1
+    assert graph_breaks() == 0

@@ -398,8 +398,9 @@ def frames_dynamo_compiles(monkeypatch):
 def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
     lin = torch.nn.Linear(3, 1)
 
-    def f(pos):  # the grad graph-breaks (the energy is returned): the engine runs under the hook
+    def f(pos):  # after the graph break the grad runs outside: the engine runs under the hook
         e = torch.tanh(lin(pos)).sum()
+        torch._dynamo.graph_break()
         return e, torch.autograd.grad(outputs=[e], inputs=[pos])[0]
 
     compiled = torch.compile(f, backend="dynbatch")
@@ -419,19 +420,50 @@ def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
 
 # --- a grad w.r.t. an intermediate, split from it by a graph break ------------------
 
-def test_grad_wrt_an_intermediate_after_a_graph_break_runs_the_frame_eagerly(caplog):
-    # MACE's stress: the displacement is computed in the frame, the energy returned.
-    # Stock Dynamo (any backend) returns None for the displacement's grad here.
+def _displaced(pos):
+    """MACE's get_symmetric_displacement, reduced: a displacement made from the positions."""
+    displacement = torch.zeros(3, 3, dtype=pos.dtype) + pos.sum() * 0.0
+    return pos + pos @ (0.5 * (displacement + displacement.T)), displacement
+
+
+def test_a_grad_that_consumes_the_returned_energy_stays_in_one_graph():
+    # MACE's stress: the energy is returned, and the grad (retain_graph=False) w.r.t. the
+    # displacement consumes its graph.  Stock Dynamo re-traces with a graph break before the
+    # grad, after which the displacement's grad is None (NOTE [A grad that consumes returned
+    # tensors]); dynbatch keeps one graph.
+    def energy(pos):
+        displaced, displacement = _displaced(pos)
+        return torch.tanh(displaced).pow(2).sum(), displacement
+
     def energy_and_grads(pos):
+        e, displacement = energy(pos)
+        return e, torch.autograd.grad(outputs=[e], inputs=[pos, displacement], allow_unused=True)
+
+    pos = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    got = torch.compile(energy_and_grads, backend="dynbatch", fullgraph=True)(pos)
+    expected = energy_and_grads(pos)
+    torch.testing.assert_close(got, expected)
+    assert got[1][1].abs().max() > 0  # the stress is not zero
+    assert dynbatch.counters()["graphs"] == 1 and dynbatch.counters()["grads_plain"] == 1
+    # the returned energy is still differentiable (where eager's graph was freed)
+    torch.testing.assert_close(torch.autograd.grad(got[0], pos), torch.autograd.grad(energy(pos)[0], pos))
+
+
+def test_grad_wrt_an_intermediate_after_a_graph_break_runs_the_frame_eagerly(caplog):
+    # Where Dynamo breaks the graph at the grad (here: the energy depends on an input that
+    # comes with a grad_fn, which Dynamo cannot trace a grad through), the displacement
+    # computed in the frame would reach the grad as a sibling output of the compiled graph:
+    # its grad would be None (stock Dynamo, any backend).
+    def energy_and_grads(pos, scale):
         displacement = torch.zeros(3, 3, dtype=pos.dtype) + pos.sum() * 0.0
-        energy = (pos + pos @ displacement).pow(2).sum()
+        energy = (pos + pos @ displacement).pow(2).sum() * scale
         grads = torch.autograd.grad(outputs=[energy], inputs=[pos, displacement], allow_unused=True)
         return energy, grads
 
-    pos = torch.randn(4, 3, requires_grad=True)
+    pos, scale = torch.randn(4, 3, requires_grad=True), torch.ones((), requires_grad=True) * 2.0
     with caplog.at_level(logging.WARNING, logger="dynbatch"):
-        got = torch.compile(energy_and_grads, backend="dynbatch")(pos)
-    torch.testing.assert_close(got, energy_and_grads(pos))
+        got = torch.compile(energy_and_grads, backend="dynbatch")(pos, scale)
+    torch.testing.assert_close(got, energy_and_grads(pos, scale))
     assert dynbatch.counters()["frames_run_eagerly"] == 1
     assert "runs eagerly" in caplog.text
 

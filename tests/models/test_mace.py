@@ -133,11 +133,6 @@ def test_own_hessian_is_one_batched_graph(first_call):
     assert counts.get("fallbacks", 0) == 0, dynbatch.fallback_reasons()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a known wrong value, stock torch.compile's too: MACE returns the displacement it creates "
-    "(get_symmetric_displacement) beside the positions computed from it, then differentiates the "
-    "energy w.r.t. the displacement; two outputs of one compiled graph are siblings to autograd, "
-    "so that grad is None and the stress zero (docs/usage.md, 'Real models')"))
 def test_stress_of_a_periodic_cell(first_call):
     model, z_table = _mace()
     compiled = torch.compile(model, backend="dynbatch")
