@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat, fx_utils, requires_grad_tracing
+from . import _compat, fx_utils, region_aot_node, requires_grad_tracing
 from .region_batching import batching_of
 from .records import STATS
 
@@ -217,7 +217,7 @@ class Region:
         self.direct_learnt = True
         if self.program.random_ops or not diff:
             return  # batched grads loop per sample over the inner graph (the program's node)
-        node = _compat.aot_backward_node([outs[k] for k in diff])
+        node = region_aot_node.aot_backward_node([outs[k] for k in diff])
         if node is None:
             return
         args = _merge(self.is_input, leaves, others)
@@ -227,9 +227,9 @@ class Region:
             return
         for edge, i in zip(edges, tensor_args):
             if (edge is not None) != self.is_input[i] or (
-                    edge is not None and _compat.accumulated_tensor(edge) is not args[i]):
+                    edge is not None and region_aot_node.accumulated_tensor(edge) is not args[i]):
                 return
-        forward_cls = _compat.route_backward(node, _routed_backward)
+        forward_cls = region_aot_node.route_backward(node, _routed_backward)
         if forward_cls is None:
             return
         self.direct = _Direct(self, forward_cls, {k: outs[k].output_nr for k in diff},
@@ -602,7 +602,7 @@ def _backward(program, inputs, leaves, others, inner, out_grads, needed, forward
 def _aot_backward_called_directly(inner, outputs, grads, leaves, needed) -> tuple | None:
     """The plain backward of the inner graph by AOTAutograd's node alone, or None
     where the graph is not that one node over the leaves."""
-    node = _compat.aot_backward_node(list(inner.values()))
+    node = region_aot_node.aot_backward_node(list(inner.values()))
     if node is None:
         return None
     position = {id(leaf): i for i, leaf in enumerate(leaves)}
@@ -610,14 +610,14 @@ def _aot_backward_called_directly(inner, outputs, grads, leaves, needed) -> tupl
     # grad (its other arguments, SymInts included, get no edge): the leaf of each.
     wanted = [i for i, w in enumerate(node.needs_input_grad) if w]
     edges = [edge for edge, _ in node.next_functions if edge is not None]
-    targets = [position.get(id(_compat.accumulated_tensor(edge))) for edge in edges]
+    targets = [position.get(id(region_aot_node.accumulated_tensor(edge))) for edge in edges]
     if len(edges) != len(wanted) or None in targets:
         return None
     by_output: dict[int, torch.Tensor] = {}
     for k, g in zip(outputs, grads):
         nr = inner[k].output_nr
         by_output[nr] = g if nr not in by_output else by_output[nr] + g
-    node_grads = _compat.call_backward_node(node, by_output)
+    node_grads = region_aot_node.call_backward_node(node, by_output)
     result: list[torch.Tensor | None] = [None] * len(leaves)
     for i, target in zip(wanted, targets):
         g = node_grads[i]

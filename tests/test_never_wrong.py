@@ -9,7 +9,7 @@ with eager PyTorch:
   ``index_put`` into an *expanded* zeros tensor, which Inductor's reinplace pass wrote
   in place (NOTE [Scatters into expanded tensors] in passes.py).
 * Training forces 2.6 % off, stock Inductor too: the C++ backend fused a read of a
-  scattered buffer before the scatter (``_compat.inductor_scheduler_keeps_mutation_renames``).
+  scattered buffer before the scatter (``lowering.inductor_scheduler_keeps_mutation_renames``).
 
 Also: ``dynbatch.verify`` catches a wrong kernel nobody has found yet and falls back;
 a grad called with keyword arguments (MACE's ``compute_forces``) is captured as a
