@@ -30,7 +30,7 @@ import torch._dynamo.convert_frame as convert_frame
 from conftest import INDUCTOR, compile_dynbatch
 
 import dynbatch
-from dynbatch import passes, region
+from dynbatch import passes, region_program
 
 aten = torch.ops.aten
 
@@ -412,7 +412,7 @@ def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
                                torch.autograd.functional.hessian(energy, r0, vectorize=True))
     ours = [c for c in frames_dynamo_compiles
             if c.co_filename.startswith(str(pathlib.Path(dynbatch.__file__).parent))
-            and c.co_name not in region._own_code.names]  # the programs dynbatch compiles on purpose
+            and c.co_name not in region_program._own_code.names]  # the programs dynbatch compiles on purpose
     assert ours == [], [f"{c.co_filename}:{c.co_name}" for c in ours]
     assert dynbatch.counters()["outside_plain"] >= 1
 

@@ -113,9 +113,9 @@ def _on_a_device_thread(backward):
 def test_batched_jacobian_of_a_compiled_model_on_a_device_thread_runs_compiled(monkeypatch):
     """Seen on CUDA: the region read the device thread's vmap level (0) and took
     the eager path; the level now comes from the grads themselves."""
-    from dynbatch import region
+    from dynbatch import region_backward
 
-    monkeypatch.setattr(region, "_backward", _on_a_device_thread(region._backward))
+    monkeypatch.setattr(region_backward, "backward", _on_a_device_thread(region_backward.backward))
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(2, 4, requires_grad=True)
@@ -267,7 +267,7 @@ def test_training_after_a_dynamic_recompile(monkeypatch):
     # which have no edge: AOTAutograd's node is still called directly on each graph's
     # first call, and is the caller's node on the later ones (NOTE [AOTAutograd's node
     # in the caller's graph]).
-    direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
+    direct = _spy(monkeypatch, dynbatch.region_backward, "backward_called_directly")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
     m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
@@ -357,7 +357,7 @@ def test_inference_regions_are_called_directly():
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
 def test_plain_backward_calls_aotautograds_node_and_keeps_the_callers_retain_graph(monkeypatch, options):
     # NOTE [AOTAutograd's backward, called directly], NOTE [Inner graph's lifetime]
-    direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
+    direct = _spy(monkeypatch, dynbatch.region_backward, "backward_called_directly")
     model = mlp()
     m = compile_dynbatch(model, options=options, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
@@ -378,7 +378,7 @@ def test_outputs_that_need_no_grad_skip_the_programs_node(monkeypatch):
     # NOTE [Outputs that need no grad]: a training step returns its loss detached and
     # leaves the grads in .grad; a batched Jacobian without create_graph returns grads
     # that do not require grad.  Neither call goes through _ProgramFunction.
-    nodes = _spy(monkeypatch, dynbatch.region._ProgramFunction, "apply")
+    nodes = _spy(monkeypatch, dynbatch.region_program._ProgramFunction, "apply")
     model = mlp()
     x = x64(5, 4)
 
@@ -411,7 +411,7 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
     # NOTE [AOTAutograd's node in the caller's graph]: the first call learns the shape
     # through the program's node; later calls return AOTAutograd's outputs, whose node
     # answers plain backwards itself and routes create_graph and batched ones to dynbatch.
-    programs = _spy(monkeypatch, dynbatch.region._ProgramFunction, "apply")
+    programs = _spy(monkeypatch, dynbatch.region_program._ProgramFunction, "apply")
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
@@ -523,13 +523,13 @@ def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, create_graph
     # NOTE [Only the grads a backward uses]: a batched Jacobian or the forces w.r.t. a leaf
     # x of a model whose parameters require grad asks the compiled backward for x's grads only.
     asked = []
-    real_vjp = dynbatch.region.Program.vjp
+    real_vjp = dynbatch.region_program.Program.vjp
 
     def vjp(self, receives, needed, *, batched=False):
         asked.append(needed)
         return real_vjp(self, receives, needed, batched=batched)
 
-    monkeypatch.setattr(dynbatch.region.Program, "vjp", vjp)
+    monkeypatch.setattr(dynbatch.region_program.Program, "vjp", vjp)
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
