@@ -121,10 +121,11 @@ class Region:
         self.mutated = tuple(i for i in mutated_inputs if i < len(example_inputs) and not self.is_input[i]
                              and isinstance(example_inputs[i], torch.Tensor))
         is_input = self.is_input
+        others_at = [i for i, input_here in enumerate(is_input) if not input_here]
         self.program = Program(
             graph_program(self.gm, is_input), recompile, "region",
             compiled=lambda inputs, others: self.compiled(*merge(is_input, inputs, others)),
-            random_ops=tuple(random_ops), region=self)
+            random_ops=tuple(random_ops), region=self, written=tuple(others_at.index(i) for i in self.mutated))
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time] in region_create_graph.py); None until one has.
         self.with_grads: Program | None = None
@@ -220,7 +221,8 @@ class Region:
             return
         (index, _), = out_grads
         self.with_grads = Program(with_grads_of(self.program.python, index, needed), self.program.recompile,
-                                  "forward_with_grads", linear=(index, needed, self.n_outputs))
+                                  "forward_with_grads", linear=(index, needed, self.n_outputs),
+                                  written=self.program.written)
 
     def learn_direct(self, outs: Sequence[Any], diff: Sequence[int], leaves: Sequence[torch.Tensor],
                      others: Sequence[Any]) -> None:
@@ -255,7 +257,15 @@ class Region:
 # inputs (AOTAutograd's metadata, at compile time) copies those inputs before
 # each call, and its recomputes take the copies: they read what the forward
 # read, and write only to the copies.  The forward itself writes the real
-# inputs once, as eager does.
+# inputs once, as eager does.  The copies are saved for backward (by the
+# program's node, or with their versions on AOTAutograd's node), and a
+# recompute writes what it takes: a compiled vjp that wrote the copies bumped
+# their versions, and the next backward through the same node -- a second
+# derivative whose cotangent depends on the outputs, a retained graph -- raised
+# autograd's "modified by an inplace operation".  So each recompute takes fresh
+# copies of the ones the graph writes (``Program.written``), and a vjp's node
+# saves the unwritten copies for its own recomputes: what is saved is never
+# written, and every order of derivative reads what the forward read.
 
 def _first_order_only(region: Region, outs: Any) -> Any:
     """Outputs of a graph that mutates a differentiable input: AOTAutograd's autograd,

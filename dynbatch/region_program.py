@@ -42,10 +42,14 @@ class Program:
 
     def __init__(self, python: Callable, recompile: Callable[[Callable], Callable], name: str, *,
                  compiled: Callable | None = None, random_ops: tuple[str, ...] = (), region: Any = None,
-                 linear: tuple[int, tuple[bool, ...], int] | None = None) -> None:
+                 linear: tuple[int, tuple[bool, ...], int] | None = None, written: tuple[int, ...] = ()) -> None:
         self.python, self.name, self.recompile = python, name, recompile
         self._compiled = compiled
         self.random_ops = random_ops
+        # Positions in ``others`` that the program writes in place (a BatchNorm's running
+        # statistics): a recompute writes fresh copies (NOTE [Recomputes see the inputs as
+        # they were] in region.py).
+        self.written = written
         self.region = region  # the region.Region whose own graph this is, if any
         # (output, inputs, first grad): the outputs from "first grad" on are that
         # output's grads w.r.t. those inputs for a cotangent of ones.
@@ -67,7 +71,7 @@ class Program:
         key = (receives, needed, batched)
         if key not in self._vjps:
             self._vjps[key] = Program(_vjp_of(self.python, receives, needed, batched), self.recompile,
-                                      "batched_backward" if batched else "vjp")
+                                      "batched_backward" if batched else "vjp", written=self.written)
         return self._vjps[key]
 
     def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any],
@@ -84,6 +88,12 @@ class Program:
                 "differentiable (create_graph=True) or vmapped gradient; compute this grad "
                 "outside torch.compile, or make the random op deterministic (e.g. eval mode)")
 
+    def _for_a_recompute(self, others: Sequence[Any]) -> list[Any]:
+        """``others`` as a recompute takes them: a fresh copy of each one the program writes,
+        so that the tensors a node saved for its backward are never written (NOTE [Recomputes
+        see the inputs as they were] in region.py)."""
+        return [o.clone() if k in self.written else o for k, o in enumerate(others)]
+
     def log_once(self, key: str, msg: str, *args: Any) -> None:
         """Once per region at INFO where this is a region's own program, else at DEBUG."""
         if self.region is not None:
@@ -97,7 +107,7 @@ class Program:
         # Differentiating w.r.t. the saved inputs themselves stops at them; no
         # detached copy (requires_grad_() is refused under torch.func transforms).
         with torch.enable_grad():
-            outs = self.python(inputs, others)
+            outs = self.python(inputs, self._for_a_recompute(others))
             grads = torch.autograd.grad([outs[k] for k, _ in out_grads], select(inputs, needed),
                                         [g for _, g in out_grads], create_graph=create_graph, allow_unused=True)
         return spread(grads, needed)
@@ -111,11 +121,13 @@ class Program:
         cotangents = [g for _, g in out_grads]
         try:
             if not batched:
-                return spread(vjp([*inputs, *cotangents], others), needed)
+                # The vjp's own recomputes take ``others`` as they are: never written.
+                return spread(vjp([*inputs, *cotangents], self._for_a_recompute(others), others), needed)
             # NOTE [Leaves of dynbatch's programs] in requires_grad_tracing.py
             leaf = requires_grad_tracing.program_input
             with torch.enable_grad():
-                return spread(vjp.compiled([*(leaf(t) for t in inputs), *cotangents], list(others)), needed)
+                return spread(vjp.compiled([*(leaf(t) for t in inputs), *cotangents],
+                                           self._for_a_recompute(others)), needed)
         except Exception as e:  # noqa: BLE001 - the eager path is always right
             vjp.failed = f"{type(e).__name__}: {e}"
             log.warning("dynbatch: compiling the %s of a compiled graph failed, using an eager backward "
