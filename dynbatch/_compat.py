@@ -4,13 +4,17 @@ Dynamo, AOTAutograd, functorch and Inductor internals move between releases;
 the stages reach them through the small functions below.  Stage logic stays in
 its stage (a stage module that patches torch internals itself says so), and a
 hook that fails turns one feature off (fail_soft.py).  Tested: torch 2.11 - 2.14.
+
+Only shims and wrappers, each hiding one private API or version difference; logic
+built on them lives with the part it serves (region_aot_node.py, fake_cuda_guard.py;
+the Inductor scheduler fix in lowering.py, a late lowering's fakes and guard check in
+memory.py, the count of a fake run's unbacked sizes in capture.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -394,31 +398,6 @@ def inductor_lowerings(wrappers: dict) -> Iterator[None]:
                 lowering.lowerings[op] = original
 
 
-@contextlib.contextmanager
-def inductor_scheduler_keeps_mutation_renames() -> Iterator[None]:
-    """Inductor's ``SchedulerNode.recompute_size_and_body`` (torch 2.11-2.14, and
-    upstream's main as of this writing) re-reads a node's dependencies from its loop body
-    and renames them past earlier in-place writes only when the node also has a fake
-    dependency.  The C++ backend calls it to align the loops of two nodes it fuses, so a
-    node reading the result of a scatter (``zeros(N).index_add(...)``) then reads the
-    zero-filled buffer by its old name, fusion sees no cycle, and the read runs before
-    the scatter.  Applying the renames again is what the method means to do (renames
-    are idempotent: a node's renames map old names to names it does not rename)."""
-    from torch._inductor.scheduler import SchedulerNode
-
-    original = SchedulerNode.recompute_size_and_body
-
-    def recompute_size_and_body(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.set_read_writes(self.read_writes.rename(self.mutation_renames))
-
-    SchedulerNode.recompute_size_and_body = recompute_size_and_body
-    try:
-        yield
-    finally:
-        SchedulerNode.recompute_size_and_body = original
-
-
 def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
     """Inductor's lowering that calls the aten kernel (an extern call)."""
     from torch._inductor import lowering
@@ -501,53 +480,6 @@ def backward_keeps_graph() -> bool:
     return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
-def aot_backward_node(tensors: Sequence[torch.Tensor]) -> Any | None:
-    """The backward node of the one AOTAutograd ``CompiledFunction`` call that made
-    every tensor in ``tensors``, or None."""
-    node = tensors[0].grad_fn if tensors else None
-    if node is None or any(t.grad_fn is not node for t in tensors):
-        return None
-    forward = getattr(type(node), "_forward_cls", None)
-    if forward is None or forward.__name__ != "CompiledFunction" or not hasattr(forward, "metadata"):
-        return None
-    metas = getattr(node, "_input_metadata", None)
-    if metas is None or any(m.is_nested_tensor or m.is_cpp_nested_tensor for m in metas):
-        return None
-    return node
-
-
-def route_backward(node: Any, router: Callable[[Callable], Callable]) -> type | None:
-    """Replace the backward of the autograd.Function class whose node is ``node``
-    (AOTAutograd's CompiledFunction, a class per compiled graph) by
-    ``router(original)``, once; the class, or None where it has no backward of its own.
-    The engine reads ``_forward_cls.backward`` at each call (BackwardCFunction)."""
-    forward_cls = getattr(type(node), "_forward_cls", None)
-    if forward_cls is None or "backward" not in vars(forward_cls):
-        return None
-    with _ROUTED:
-        if not vars(forward_cls).get("_dynbatch_routed", False):
-            forward_cls.backward = staticmethod(router(forward_cls.backward))
-            forward_cls._dynbatch_routed = True
-    return forward_cls
-
-
-_ROUTED = threading.Lock()
-
-
-def call_backward_node(node: Any, grads: dict[int, torch.Tensor]) -> tuple:
-    """Run a Python autograd node's backward as the engine would, with ``grads`` by
-    output position; its other outputs get zeros, as the engine materialises them
-    (AOTAutograd reads only the grads of its differentiable outputs)."""
-    args = [grads[i] if i in grads else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-            for i, m in enumerate(node._input_metadata)]
-    return node.apply(*args)
-
-
-def accumulated_tensor(node: Any) -> torch.Tensor | None:
-    """The leaf an AccumulateGrad node accumulates into; None for any other node."""
-    return getattr(node, "variable", None)
-
-
 def engine_will_execute(node: Any) -> bool:
     """Whether the running backward will execute ``node``, or capture what reaches it.
 
@@ -598,58 +530,6 @@ def outside_custom_op() -> Iterator[None]:
         yield
 
 
-# --- a torch bug around threads (FakeTensorMode's CUDA guard) --------------------
-
-_FAKE_CUDA_GUARD_PINNED = False
-_FAKE_CUDA_GUARD_LOCK = threading.Lock()
-
-
-def fake_cuda_guard_outlives_threads() -> None:
-    """Work around a use-after-free in torch's FakeTensorMode (seen on 2.11.0,
-    not on 2.14.1) on a CUDA build of torch where no GPU is usable.
-
-    The first ``FakeTensorMode.__enter__`` of a process calls
-    ``c10::impl::ensureCUDADeviceGuardSet``, which stores a pointer to a
-    *thread_local* no-op CUDA guard in c10's global device-guard registry.
-    When that thread exits, the pointer dangles and the next compile from
-    another thread segfaults.  Making that first call from a thread that lives
-    as long as the process (the main thread, or a parked daemon thread) keeps
-    the guard alive; later calls find it set and do nothing.  Every compile
-    traces with fake tensors, so this is called once, before the first one."""
-    global _FAKE_CUDA_GUARD_PINNED
-    with _FAKE_CUDA_GUARD_LOCK:
-        if _FAKE_CUDA_GUARD_PINNED:
-            return
-        _FAKE_CUDA_GUARD_PINNED = True
-        ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
-        # The same condition as FakeTensorMode.avoid_device_init on a CUDA build.
-        if ensure is None or torch.version.cuda is None or torch.cuda.is_available():
-            return
-        try:
-            call_on_a_lasting_thread(ensure)
-        except Exception as e:  # noqa: BLE001 - only threaded compiles are at risk
-            fail_soft.hook_failed("keeping FakeTensorMode's CUDA guard alive across threads", e)
-
-
-def call_on_a_lasting_thread(fn: Callable[[], Any]) -> None:
-    """Run ``fn`` on a thread that outlives every other: this one if it is the
-    main thread, else a daemon thread parked for the life of the process."""
-    if threading.current_thread() is threading.main_thread():
-        fn()
-        return
-    done = threading.Event()
-
-    def run_then_park() -> None:
-        try:
-            fn()
-        finally:
-            done.set()
-        threading.Event().wait()  # keep this thread's thread_locals alive
-
-    threading.Thread(target=run_then_park, name="dynbatch-fake-cuda-guard", daemon=True).start()
-    done.wait()
-
-
 # --- symbolic shapes, fake tensors and FX ----------------------------------------
 
 def sym_eq(a: Any, b: Any) -> Any:
@@ -668,26 +548,6 @@ def has_unbacked_symbols(x: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     return bool(free_unbacked_symbols(x))
-
-
-@contextlib.contextmanager
-def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
-    """Discard the unbacked SymInts a fake run allocates; yield a counter of them.
-
-    A backward can allocate unbacked sizes that its grads do not carry (e.g.
-    ``nonzero`` in index_put's backward with a boolean mask); left pending,
-    Dynamo fails with PendingUnbackedSymbolNotFound.  The caller learns how
-    many were made (the yielded function) and decides what to do.
-    """
-    from torch._guards import detect_fake_mode
-
-    shape_env = getattr(detect_fake_mode(), "shape_env", None)
-    if shape_env is None or not hasattr(shape_env, "ignore_fresh_unbacked_symbols"):
-        yield lambda: 0
-        return
-    before = shape_env.counter["create_unbacked_symbol"]
-    with shape_env.ignore_fresh_unbacked_symbols():
-        yield lambda: shape_env.counter["create_unbacked_symbol"] - before
 
 
 def add_shape_guard(condition: Any) -> None:
@@ -714,39 +574,6 @@ def in_tracing_context(context: Any) -> Iterator[None]:
 
     with tracing(context):
         yield
-
-
-def fake_example_inputs(context: Any, example_inputs: Sequence[Any]) -> list[Any]:
-    """The fake tensors AOTAutograd makes of a frame's example inputs (its fake mode
-    keeps them; the real tensors' symbolic contexts give them the frame's symbols)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    fake_mode, contexts = context.fake_mode, context.tensor_to_context
-
-    def fake(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
-            return x
-        symbolic = contexts[x] if x in contexts else None
-        return fake_mode.from_tensor(x, symbolic_context=symbolic,
-                                     source=getattr(symbolic, "tensor_source", None), trace=False)
-
-    return [fake(x) for x in example_inputs]
-
-
-@contextlib.contextmanager
-def refusing_new_shape_guards(context: Any) -> Iterator[None]:
-    """Raise after the block if it guarded on the frame's sizes.  Once Dynamo has
-    installed a frame's guards its ShapeEnv is frozen: a new guard is ignored
-    (counted as "ignored_backward_guard", every supported torch), so code compiled
-    under it could be wrong where the guard would fail."""
-    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
-    if shape_env is None:
-        yield
-        return
-    ignored, guards = shape_env.counter["ignored_backward_guard"], len(shape_env.guards)
-    yield
-    if shape_env.counter["ignored_backward_guard"] > ignored or len(shape_env.guards) > guards:
-        raise RuntimeError("the lowering needed a new guard on the sizes, after the frame's guards were installed")
 
 
 def backed_hints(shape_env: Any) -> dict:

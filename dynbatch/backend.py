@@ -122,7 +122,7 @@ def _fused_while_it_fits(fused, planner: memory.Planner, example_inputs, record:
     context = _compat.tracing_context()
     # Dynamo hands a backend the real example tensors; AOTAutograd fakes them with the
     # frame's symbols.  Faked now, while new guards still count: later, one is ignored.
-    fakes = _compat.fake_example_inputs(context, example_inputs) if context is not None else None
+    fakes = memory.fake_example_inputs(context, example_inputs) if context is not None else None
     fits = planner.fits_checker(fakes) if fakes is not None else None
     if fits is None:
         planner.guard_fits()
@@ -132,7 +132,7 @@ def _fused_while_it_fits(fused, planner: memory.Planner, example_inputs, record:
         # The frame's guards are installed: the lowering runs in its tracing context,
         # and one that would need a new guard on the sizes is refused (it would be ignored).
         with _compat.in_tracing_context(context), capture.capture_scope(), \
-                _compat.refusing_new_shape_guards(context):
+                memory.refusing_new_shape_guards(context):
             chunked = lower_chunked(fakes)
         if not planner.chunked:
             raise RuntimeError("; ".join(planner.refused.values()) or "no grad can be chunked")

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, batch_rules, fail_soft, requires_grad_tracing, zero_tangents
+from . import _compat, batch_rules, fail_soft, fake_cuda_guard, requires_grad_tracing, zero_tangents
 from .batched_grad import batched_grad, forward_mode_jacobian
 from .records import STATS
 
@@ -127,7 +127,7 @@ def capture_scope():
     torch's internals moved, that piece is off with a warning and the compile
     goes on with stock behaviour (a graph break, functorch's own rule)."""
     _compat.warn_once_if_untested()
-    _compat.fake_cuda_guard_outlives_threads()
+    fake_cuda_guard.fake_cuda_guard_outlives_threads()
     soft = fail_soft.soft
     jacfwd = _compat.functional_forward_jacobian()
     vmap_impl = _compat.functorch_vmap_impl()
@@ -328,11 +328,31 @@ def _intermediates_differentiated(inputs: Any) -> list[str]:
     return names
 
 
+@contextlib.contextmanager
+def discarding_fresh_unbacked_symbols() -> Iterator[Callable[[], int]]:
+    """Discard the unbacked SymInts a fake run allocates; yield a counter of them.
+
+    A backward can allocate unbacked sizes that its grads do not carry (e.g.
+    ``nonzero`` in index_put's backward with a boolean mask); left pending,
+    Dynamo fails with PendingUnbackedSymbolNotFound.  The caller learns how
+    many were made (the yielded function) and decides what to do.
+    """
+    from torch._guards import detect_fake_mode
+
+    shape_env = getattr(detect_fake_mode(), "shape_env", None)
+    if shape_env is None or not hasattr(shape_env, "ignore_fresh_unbacked_symbols"):
+        yield lambda: 0
+        return
+    before = shape_env.counter["create_unbacked_symbol"]
+    with shape_env.ignore_fresh_unbacked_symbols():
+        yield lambda: shape_env.counter["create_unbacked_symbol"] - before
+
+
 def trace_grad(node: torch.fx.Node | None, args: Any, kwargs: Any) -> Any:
     """Fake-run one captured grad call. See NOTE [Errors are eager's]."""
     fn = batched_grad if kwargs.get("is_grads_batched", False) else torch.autograd.grad
     try:
-        with _compat.discarding_fresh_unbacked_symbols() as made_unbacked:
+        with discarding_fresh_unbacked_symbols() as made_unbacked:
             result = fn(*args, **kwargs)
         if made_unbacked() and node is not None:
             # Data-dependent sizes inside the backward: AOTAutograd's size-oblivious

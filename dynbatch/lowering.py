@@ -62,6 +62,31 @@ def torch_internal_deprecations_hidden() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def inductor_scheduler_keeps_mutation_renames() -> Iterator[None]:
+    """Inductor's ``SchedulerNode.recompute_size_and_body`` (torch 2.11-2.14, and
+    upstream's main as of this writing) re-reads a node's dependencies from its loop body
+    and renames them past earlier in-place writes only when the node also has a fake
+    dependency.  The C++ backend calls it to align the loops of two nodes it fuses, so a
+    node reading the result of a scatter (``zeros(N).index_add(...)``) then reads the
+    zero-filled buffer by its old name, fusion sees no cycle, and the read runs before
+    the scatter.  Applying the renames again is what the method means to do (renames
+    are idempotent: a node's renames map old names to names it does not rename)."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    original = SchedulerNode.recompute_size_and_body
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    SchedulerNode.recompute_size_and_body = recompute_size_and_body
+    try:
+        yield
+    finally:
+        SchedulerNode.recompute_size_and_body = original
+
+
 def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool,
               planner: memory.Planner, fused: bool) -> None:
     # First the plan: it removes memory.py's markers, which no compiler or record should see.
@@ -87,11 +112,11 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
         _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
         # Inductor's scheduler can read a scattered buffer before the scatter runs
-        # (_compat.inductor_scheduler_keeps_mutation_renames): never a wrong value.
+        # (inductor_scheduler_keeps_mutation_renames): never a wrong value.
         with _compat.inductor_lowerings({**_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT,
                                          **routed_matmul_lowerings}), \
                 fail_soft.soft("the fix of Inductor's fused reads of scattered buffers",
-                               _compat.inductor_scheduler_keeps_mutation_renames):
+                               inductor_scheduler_keeps_mutation_renames):
             return inner(aten_gm, aten_inputs, **kwargs)
 
     inductor_patterns_registered_outside_transforms(example_inputs)

@@ -491,3 +491,38 @@ def _where(wanted, args: Sequence[Any]) -> dict[sympy.Symbol, tuple[int, int | N
 
 def _read(real_args: Sequence[Any], i: int, d: int | None) -> int:
     return int(real_args[i] if d is None else real_args[i].shape[d])
+
+
+# --- a lowering after the frame's guards (NOTE [One dynamic graph across the budget]) ---
+
+def fake_example_inputs(context: Any, example_inputs: Sequence[Any]) -> list[Any]:
+    """The fake tensors AOTAutograd makes of a frame's example inputs (its fake mode
+    keeps them; the real tensors' symbolic contexts give them the frame's symbols)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake_mode, contexts = context.fake_mode, context.tensor_to_context
+
+    def fake(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+            return x
+        symbolic = contexts[x] if x in contexts else None
+        return fake_mode.from_tensor(x, symbolic_context=symbolic,
+                                     source=getattr(symbolic, "tensor_source", None), trace=False)
+
+    return [fake(x) for x in example_inputs]
+
+
+@contextlib.contextmanager
+def refusing_new_shape_guards(context: Any) -> Iterator[None]:
+    """Raise after the block if it guarded on the frame's sizes.  Once Dynamo has
+    installed a frame's guards its ShapeEnv is frozen: a new guard is ignored
+    (counted as "ignored_backward_guard", every supported torch), so code compiled
+    under it could be wrong where the guard would fail."""
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    if shape_env is None:
+        yield
+        return
+    ignored, guards = shape_env.counter["ignored_backward_guard"], len(shape_env.guards)
+    yield
+    if shape_env.counter["ignored_backward_guard"] > ignored or len(shape_env.guards) > guards:
+        raise RuntimeError("the lowering needed a new guard on the sizes, after the frame's guards were installed")

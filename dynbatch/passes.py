@@ -220,7 +220,7 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
 
     def uuid(self) -> Any:
         # also keys lowering.py's choice of extern convolutions and the scheduler fix
-        # (_compat.inductor_scheduler_keeps_mutation_renames), which Inductor's FX graph
+        # (lowering.inductor_scheduler_keeps_mutation_renames), which Inductor's FX graph
         # cache would not see otherwise
         ours = "dynbatch-clone-scatter-targets-v1+scheduler-renames-v1+extern-convolutions-v1"
         if self.users_pass is not None:

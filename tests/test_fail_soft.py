@@ -18,7 +18,7 @@ from torch.torch_version import TorchVersion
 
 import dynbatch
 from conftest import FALLBACK, assert_same_grads, compile_dynbatch
-from dynbatch import _compat, batch_rules, capture, fail_soft, lowering, requires_grad_tracing
+from dynbatch import _compat, batch_rules, capture, fail_soft, fake_cuda_guard, lowering, requires_grad_tracing
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
 
@@ -167,9 +167,9 @@ def test_on_unsupported_error_raises_unsupported_graph_for_a_lowering_failure(mo
 
 
 def test_a_failing_fake_cuda_guard_workaround_is_off_and_compiles_work(monkeypatch):
-    """The thread workaround for FakeTensorMode's CUDA guard (``_compat``) calls a
+    """The thread workaround for FakeTensorMode's CUDA guard (``fake_cuda_guard``) calls a
     private torch function; if it raises, only threads are at risk again."""
-    monkeypatch.setattr(_compat, "_FAKE_CUDA_GUARD_PINNED", False)
+    monkeypatch.setattr(fake_cuda_guard, "_FAKE_CUDA_GUARD_PINNED", False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
@@ -179,7 +179,7 @@ def test_a_failing_fake_cuda_guard_workaround_is_off_and_compiles_work(monkeypat
     monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", moved, raising=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _compat.fake_cuda_guard_outlives_threads()
+        fake_cuda_guard.fake_cuda_guard_outlives_threads()
     assert any("CUDA guard" in m for m in _hook_warnings(seen)), _hook_warnings(seen)
     monkeypatch.undo()  # the real torch again for the compile
     x, V = args()

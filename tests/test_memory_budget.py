@@ -24,7 +24,7 @@ import torch.autograd.functional as AF
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynbatch
-from dynbatch import _compat, chunking, memory
+from dynbatch import chunking, memory
 from dynbatch.bench.measure import _profiled_peak
 from dynbatch.options import Options, parse_memory_budget
 from conftest import DEFAULTS, assert_same_grads, compile_dynbatch, loop_grads
@@ -454,10 +454,10 @@ def test_a_lowering_after_the_frame_guards_may_not_add_one():
                               hint=5)
     context = types.SimpleNamespace(fake_mode=types.SimpleNamespace(shape_env=env))
     env.freeze()
-    with _compat.refusing_new_shape_guards(context):
+    with memory.refusing_new_shape_guards(context):
         assert b + 1 == b + 1  # no guard
     with pytest.raises(RuntimeError, match="new guard on the sizes"):
-        with _compat.refusing_new_shape_guards(context):
+        with memory.refusing_new_shape_guards(context):
             bool(b > 3)
 
 

@@ -215,11 +215,11 @@ def test_four_threads_get_correct_grads(warm):
 # --- torch's FakeTensorMode guard on a CUDA build without a GPU --------------
 
 def test_lasting_thread_is_main_or_a_parked_daemon():
-    from dynbatch import _compat
+    from dynbatch import fake_cuda_guard
 
     ran_on: list[threading.Thread] = []
-    _compat.call_on_a_lasting_thread(lambda: ran_on.append(threading.current_thread()))
-    worker = threading.Thread(target=_compat.call_on_a_lasting_thread,
+    fake_cuda_guard.call_on_a_lasting_thread(lambda: ran_on.append(threading.current_thread()))
+    worker = threading.Thread(target=fake_cuda_guard.call_on_a_lasting_thread,
                               args=(lambda: ran_on.append(threading.current_thread()),))
     worker.start()
     worker.join()
@@ -230,16 +230,16 @@ def test_lasting_thread_is_main_or_a_parked_daemon():
 def test_fake_cuda_guard_is_set_once_from_a_lasting_thread(monkeypatch):
     """Where torch would store a thread_local guard (a CUDA build, no GPU), the
     first compile sets it from a thread that outlives the compiling one."""
-    from dynbatch import _compat
+    from dynbatch import fake_cuda_guard
 
     calls: list[threading.Thread] = []
-    monkeypatch.setattr(_compat, "_FAKE_CUDA_GUARD_PINNED", False)
+    monkeypatch.setattr(fake_cuda_guard, "_FAKE_CUDA_GUARD_PINNED", False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet",
                         lambda: calls.append(threading.current_thread()), raising=False)
     for _ in range(2):
-        t = threading.Thread(target=_compat.fake_cuda_guard_outlives_threads)
+        t = threading.Thread(target=fake_cuda_guard.fake_cuda_guard_outlives_threads)
         t.start()
         t.join()
         assert not t.is_alive()
@@ -249,13 +249,13 @@ def test_fake_cuda_guard_is_set_once_from_a_lasting_thread(monkeypatch):
 FAKE_MODE_FROM_EXITED_THREADS = """
 import threading, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from dynbatch import _compat
+from dynbatch import fake_cuda_guard
 
 def enter():
     with FakeTensorMode():
         torch.empty(3) + 1
 
-first = threading.Thread(target=_compat.fake_cuda_guard_outlives_threads)
+first = threading.Thread(target=fake_cuda_guard.fake_cuda_guard_outlives_threads)
 first.start(); first.join()
 for _ in range(20):  # each thread exits before the next enters
     t = threading.Thread(target=enter); t.start(); t.join()

@@ -9,7 +9,7 @@ with eager PyTorch:
   ``index_put`` into an *expanded* zeros tensor, which Inductor's reinplace pass wrote
   in place (NOTE [Scatters into expanded tensors] in passes.py).
 * Training forces 2.6 % off, stock Inductor too: the C++ backend fused a read of a
-  scattered buffer before the scatter (``_compat.inductor_scheduler_keeps_mutation_renames``).
+  scattered buffer before the scatter (``lowering.inductor_scheduler_keeps_mutation_renames``).
 
 Also: ``dynbatch.verify`` catches a wrong kernel nobody has found yet and falls back;
 a grad called with keyword arguments (MACE's ``compute_forces``) is captured as a
@@ -30,7 +30,7 @@ import torch._dynamo.convert_frame as convert_frame
 from conftest import INDUCTOR, compile_dynbatch
 
 import dynbatch
-from dynbatch import passes, region
+from dynbatch import passes, region_program
 
 aten = torch.ops.aten
 
@@ -413,7 +413,7 @@ def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
                                torch.autograd.functional.hessian(energy, r0, vectorize=True))
     ours = [c for c in frames_dynamo_compiles
             if c.co_filename.startswith(str(pathlib.Path(dynbatch.__file__).parent))
-            and c.co_name not in region._own_code.names]  # the programs dynbatch compiles on purpose
+            and c.co_name not in region_program._own_code.names]  # the programs dynbatch compiles on purpose
     assert ours == [], [f"{c.co_filename}:{c.co_name}" for c in ours]
     assert dynbatch.counters()["outside_plain"] >= 1
 

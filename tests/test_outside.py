@@ -113,9 +113,9 @@ def _on_a_device_thread(backward):
 def test_batched_jacobian_of_a_compiled_model_on_a_device_thread_runs_compiled(monkeypatch):
     """Seen on CUDA: the region read the device thread's vmap level (0) and took
     the eager path; the level now comes from the grads themselves."""
-    from dynbatch import region
+    from dynbatch import region_backward
 
-    monkeypatch.setattr(region, "_backward", _on_a_device_thread(region._backward))
+    monkeypatch.setattr(region_backward, "backward", _on_a_device_thread(region_backward.backward))
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(2, 4, requires_grad=True)
@@ -267,7 +267,7 @@ def test_training_after_a_dynamic_recompile(monkeypatch):
     # which have no edge: AOTAutograd's node is still called directly on each graph's
     # first call, and is the caller's node on the later ones (NOTE [AOTAutograd's node
     # in the caller's graph]).
-    direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
+    direct = _spy(monkeypatch, dynbatch.region_backward, "backward_called_directly")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
     m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
@@ -357,7 +357,7 @@ def test_inference_regions_are_called_directly():
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
 def test_plain_backward_calls_aotautograds_node_and_keeps_the_callers_retain_graph(monkeypatch, options):
     # NOTE [AOTAutograd's backward, called directly], NOTE [Inner graph's lifetime]
-    direct = _spy(monkeypatch, dynbatch.region, "_aot_backward_called_directly")
+    direct = _spy(monkeypatch, dynbatch.region_backward, "backward_called_directly")
     model = mlp()
     m = compile_dynbatch(model, options=options, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
@@ -378,7 +378,7 @@ def test_outputs_that_need_no_grad_skip_the_programs_node(monkeypatch):
     # NOTE [Outputs that need no grad]: a training step returns its loss detached and
     # leaves the grads in .grad; a batched Jacobian without create_graph returns grads
     # that do not require grad.  Neither call goes through _ProgramFunction.
-    nodes = _spy(monkeypatch, dynbatch.region._ProgramFunction, "apply")
+    nodes = _spy(monkeypatch, dynbatch.region_program._ProgramFunction, "apply")
     model = mlp()
     x = x64(5, 4)
 
@@ -411,7 +411,7 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
     # NOTE [AOTAutograd's node in the caller's graph]: the first call learns the shape
     # through the program's node; later calls return AOTAutograd's outputs, whose node
     # answers plain backwards itself and routes create_graph and batched ones to dynbatch.
-    programs = _spy(monkeypatch, dynbatch.region._ProgramFunction, "apply")
+    programs = _spy(monkeypatch, dynbatch.region_program._ProgramFunction, "apply")
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
@@ -477,6 +477,83 @@ def test_recomputes_leave_running_statistics_as_eager_does(create_graph):
     assert paths().get("outside_vjp_compiled" if create_graph else "outside_batched_compiled", 0) >= 3, paths()
 
 
+def _grad_of_grad(m, x):
+    # The second backward's cotangent (2 * out) depends on the outputs: it passes again
+    # through the node whose saved inputs the vjp's recompute once wrote.
+    g = grad(m(x).pow(2).sum(), x, create_graph=True)[0]
+    g.pow(2).sum().backward()
+    return g, x.grad
+
+
+def _third_order(m, x):
+    g = grad(m(x).pow(2).sum(), x, create_graph=True)[0]
+    h = grad(g.pow(2).sum(), x, create_graph=True)[0]
+    h.pow(2).sum().backward()
+    return g, h, x.grad
+
+
+def _twice_from_one_forward(m, x):
+    out = m(x)
+    g1 = grad(out.pow(2).sum(), x, create_graph=True)[0]
+    g2 = grad(out.pow(3).sum(), x, create_graph=True)[0]
+    (g1 * g2).sum().backward()
+    return g1, g2, x.grad
+
+
+def _forces(m, x):
+    # m returns one energy: from the second step on, the forces are computed in its forward.
+    energy = m(x)
+    forces = -grad(energy, x, create_graph=True)[0]
+    (energy ** 2 + forces.pow(2).sum()).backward()
+    return energy, forces, x.grad
+
+
+SECOND_DERIVATIVES = {
+    # case: (function of (model, x), the model returns one energy, the path each step takes)
+    "grad_of_grad": (_grad_of_grad, False, "outside_vjp_compiled"),
+    "third_order": (_third_order, False, "outside_vjp_compiled"),
+    "twice_from_one_forward": (_twice_from_one_forward, False, "outside_vjp_compiled"),
+    "hessian": (lambda m, x: AF.hessian(lambda x: m(x).pow(2).sum(), x), False, "outside_vjp_compiled"),
+    "hessian_vectorized": (lambda m, x: AF.hessian(lambda x: m(x).pow(2).sum(), x, vectorize=True), False,
+                           "outside_batched_compiled"),
+    "forces_at_forward": (_forces, True, "outside_grads_at_forward"),
+}
+
+
+@pytest.mark.parametrize(("case", "options"), [*((case, AOT_EAGER) for case in SECOND_DERIVATIVES),
+                                                ("grad_of_grad", DEFAULTS)],
+                         ids=[*SECOND_DERIVATIVES, "grad_of_grad-defaults"])
+def test_second_derivatives_through_a_graph_that_writes_its_inputs_equal_eager(case, options):
+    # NOTE [Recomputes see the inputs as they were]: a BatchNorm in training mode writes its
+    # running statistics.  The vjp's recompute once wrote the copies saved for backward, and a
+    # second backward through the same node raised "modified by an inplace operation".
+    fn, energy, path = SECOND_DERIVATIVES[case]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 3)).double()
+    twin = copy.deepcopy(model)
+    eager = (lambda x: model(x).sum()) if energy else model
+    m = compile_dynbatch((lambda x: twin(x).sum()) if energy else twin, options=options, fullgraph=False)
+    steps = 3  # the first call through the program's node, then AOTAutograd's (or the forces')
+    for step in range(steps):
+        x = x64(5, 4) + step
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        got = fn(m, x.clone().requires_grad_())
+        want = fn(eager, x.clone().requires_grad_())
+        assert_same_grads(got, want, msg=f"step {step}")
+        assert_same_grads(tuple(p.grad for p in twin.parameters()), tuple(p.grad for p in model.parameters()),
+                          msg=f"step {step}: parameters' grads")
+        # Updated once per forward, as eagerly: num_batches_tracked counts the calls.
+        assert_same_grads(tuple(twin.buffers()), tuple(model.buffers()), msg=f"step {step}: running statistics")
+    assert int(twin[1].num_batches_tracked) == steps
+    # Compiled all the way: dynbatch's graphs, no fallback, no eager re-run.
+    counters = dynbatch.counters()
+    assert counters["graphs"] >= 2 and "fallbacks" not in counters, counters
+    assert "outside_eager" not in counters and "eager_calls" not in counters, counters
+    assert counters[path] >= steps - (1 if energy else 0), counters
+
+
 def test_a_graph_from_a_warm_compile_cache_keeps_its_random_ops(tmp_path, monkeypatch):
     # AOTAutograd's cache would skip the trace that records a graph's random ops; a graph
     # from it that forgot them would recompute dropout with new masks for batched grads.
@@ -523,13 +600,13 @@ def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, create_graph
     # NOTE [Only the grads a backward uses]: a batched Jacobian or the forces w.r.t. a leaf
     # x of a model whose parameters require grad asks the compiled backward for x's grads only.
     asked = []
-    real_vjp = dynbatch.region.Program.vjp
+    real_vjp = dynbatch.region_program.Program.vjp
 
     def vjp(self, receives, needed, *, batched=False):
         asked.append(needed)
         return real_vjp(self, receives, needed, batched=batched)
 
-    monkeypatch.setattr(dynbatch.region.Program, "vjp", vjp)
+    monkeypatch.setattr(dynbatch.region_program.Program, "vjp", vjp)
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)

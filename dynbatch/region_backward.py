@@ -1,0 +1,92 @@
+"""A region's backward: the path each call takes, and the plain and batched paths.
+
+``backward`` picks the path by what the call receives (NOTE [Region backward] in
+region.py; docs/design.md has the table): the grads computed at forward time and
+``create_graph=True`` go to region_create_graph.py; plain grads run the inner
+graph, AOTAutograd's compiled backward (NOTE [Inner graph's lifetime]); batched
+grads run the program's compiled batched backward, or loop over the inner graph
+per sample where the graph draws random numbers, or re-run the program eagerly.
+Called by a program's node (region_program.py) and by AOTAutograd's routed node
+(region_direct.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from . import _compat
+from .records import STATS
+from .region_aot_node import backward_called_directly
+from .region_args import select, spread
+from .region_batching import batching_of
+from .region_create_graph import EAGER, create_graph_backward, grads_from_forward
+
+# Counter names (dynbatch.counters()): a backward from outside answered by AOTAutograd's
+# compiled backward, by the program's compiled batched backward, or per sample.
+PLAIN, BATCHED, LOOP = "outside_plain", "outside_batched_compiled", "outside_per_sample"
+
+
+def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad):
+    """Pick the path for one backward call (NOTE [Region backward] in region.py)."""
+    cotangents = [g for _, g in out_grads]
+    batching = batching_of(cotangents)
+    if program.linear is not None:
+        grads = grads_from_forward(program, out_grads, needed, batching, forward_grads)
+        if grads is not None:
+            return grads
+        # Asked for other grads, or a plain backward that left them unused.
+        program.missed = program.missed or torch.is_grad_enabled() or all(k < first_grad for k, _ in out_grads)
+    if torch.is_grad_enabled():
+        return create_graph_backward(program, inputs, others, out_grads, needed, batching)
+    inner_backward = functools.partial(_inner_backward, inner, leaves, [k for k, _ in out_grads], needed)
+    if batching is None:
+        STATS.count(PLAIN)
+        return inner_backward(cotangents)
+    if program.random_ops and batching.kind != "nested":
+        STATS.count(LOOP)
+        return _per_sample(batching, out_grads, inner_backward)
+    if batching.kind == "legacy":
+        with batching.unwrapped(out_grads) as (physical, _, rewrap):
+            grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
+        if grads is not None:
+            STATS.count(BATCHED)
+            return rewrap(grads)
+    program.log_once("batched", "dynbatch: batched grads through a compiled graph (%s vmap): "
+                     "re-running it eagerly for the backward", batching.kind)
+    STATS.count(EAGER)
+    return program.eager_backward(inputs, others, out_grads, needed, create_graph=False)
+
+
+# NOTE [Inner graph's lifetime]
+# The plain path runs AOTAutograd's backward of the inner graph, a graph of its
+# own, so it has its own retain_graph.  Retaining it always (freed with this
+# node) is correct but slow: AOTAutograd keeps its saved tensors through its
+# compiled backward, and a small call pays for it (about 90 us of a 1 ms force
+# training step).  So the inner graph keeps what the caller's backward keeps:
+# freed now unless the caller passed retain_graph=True (or create_graph=True),
+# in which case this node survives too and a second backward finds both.
+
+def _inner_backward(inner, leaves, outputs, needed, grads, again: bool = False):
+    """The plain path: the inner graph's backward for ``grads`` of ``outputs``.
+    ``again``: this backward runs it once more (per-sample grads)."""
+    # The inner graph keeps what the caller's graph keeps (NOTE [Inner graph's lifetime]).
+    keep = again or _compat.backward_keeps_graph()
+    with _compat.donated_buffers_off() if keep else contextlib.nullcontext():
+        if not again:
+            direct = backward_called_directly(inner, outputs, grads, leaves, needed)
+            if direct is not None:
+                return direct
+        return spread(torch.autograd.grad([inner[k] for k in outputs], select(leaves, needed), grads,
+                                          retain_graph=keep, allow_unused=True), needed)
+
+
+def _per_sample(batching, out_grads, grad_fn):
+    with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
+        # Eager's vmap refuses B = 0 before any backward runs, so there is a sample.
+        per_sample = [grad_fn([g[b] for _, g in physical], again=b < batch_size - 1) for b in range(batch_size)]
+        grads = tuple(None if first is None else torch.stack([s[k] for s in per_sample])
+                      for k, first in enumerate(per_sample[0]))
+    return rewrap(grads)
