@@ -75,18 +75,12 @@ def dynamo_torch_function_handlers() -> dict:
     return TorchInGraphFunctionVariable._get_handlers()
 
 
-def dynamo_graph_break_error() -> type[Exception]:
-    """What Dynamo raises where it breaks the graph (``unimplemented``)."""
+def dynamo_exceptions() -> Any:
+    """``torch._dynamo.exc``: ``Unsupported`` (a graph break) and ``SkipFrame`` (run the frame
+    eagerly, its callees still compiled)."""
     from torch._dynamo import exc
 
-    return exc.Unsupported
-
-
-def dynamo_skip_frame_error(message: str) -> Exception:
-    """The exception that makes Dynamo run the frame it traces eagerly (its callees still compile)."""
-    from torch._dynamo import exc
-
-    return exc.SkipFrame(message)
+    return exc
 
 
 def register_backend(fn: Callable, name: str) -> None:
@@ -121,11 +115,10 @@ def mark_batch_dynamic(t: torch.Tensor) -> None:
 
 def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
     """Exceptions Dynamo uses to steer tracing; they must pass through us."""
-    from torch._dynamo import exc as dynamo_exc
     from torch._subclasses import fake_tensor
     from torch.fx.experimental import symbolic_shapes
 
-    excs: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
+    excs: list[type[BaseException]] = [dynamo_exceptions().TorchDynamoException]
     for mod, name in [
         (fake_tensor, "DataDependentOutputException"),
         (fake_tensor, "DynamicOutputShapeException"),
@@ -142,9 +135,7 @@ def dynamo_control_exceptions() -> tuple[type[BaseException], ...]:
 def restart_analysis_exceptions() -> tuple[type[BaseException], ...]:
     """What AOTAutograd raises to make Dynamo re-trace the frame (e.g.
     TensorifyScalarRestartAnalysis); a backend must let these through."""
-    from torch._dynamo import exc as dynamo_exc
-
-    restart = getattr(dynamo_exc, "RestartAnalysis", None)
+    restart = getattr(dynamo_exceptions(), "RestartAnalysis", None)
     return (restart,) if restart is not None else ()
 
 
@@ -268,23 +259,14 @@ def functorch_has_batch_rule(op: torch._ops.OpOverload) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched")
 
 
-def functorch_vmap_impl() -> Callable | None:
-    """``torch.vmap``'s implementation, which dynbatch traces without its chunk loop."""
+def functorch_vmap_module() -> Any:
+    """``torch._functorch.vmap``: ``vmap_impl`` (what ``torch.vmap`` calls) and its one-call branch."""
     import torch._functorch.vmap as vmap_module
 
-    return getattr(vmap_module, "vmap_impl", None)
-
-
-def functorch_vmap_unchunked(func: Callable, in_dims: Any, out_dims: Any, randomness: str,
-                             chunk_size: int | None, *args: Any, **kwargs: Any) -> Any:
-    """``vmap_impl`` with ``chunk_size`` ignored: the one-call branch of its body."""
-    import torch._functorch.vmap as vmap_module
-
-    vmap_module.lazy_load_decompositions()
-    vmap_module._check_out_dims_is_int_or_int_pytree(out_dims, func)
-    batch_size, flat_in_dims, flat_args, args_spec = vmap_module._process_batched_inputs(in_dims, args, func)
-    return vmap_module._flat_vmap(func, batch_size, flat_in_dims, flat_args, args_spec, out_dims,
-                                  randomness, **kwargs)
+    names = ("vmap_impl", "_process_batched_inputs", "_flat_vmap", "_check_out_dims_is_int_or_int_pytree")
+    if not all(hasattr(vmap_module, n) for n in names):  # pragma: no cover - version guard
+        raise ImportError(f"torch {torch.__version__}: torch._functorch.vmap moved")
+    return vmap_module
 
 
 def decomposition_table() -> dict:

@@ -135,3 +135,14 @@ def forward_mode_jacobian(func, inputs, strict=False, vectorize=False):
         for col, out in zip(columns, outputs)
     )
     return _compat.functional_tuple_postprocess(jacobian, (is_outputs_tuple, is_inputs_tuple))
+
+
+def vmap_in_one_call(func, in_dims, out_dims, randomness, chunk_size, *args, **kwargs):
+    """``torch.vmap``'s ``vmap_impl`` with ``chunk_size`` ignored, as Dynamo traces it inside
+    a dynbatch compile: one mapped call, where Dynamo would unroll a call per chunk (docs/
+    design.md, stage 1).  The batched grads inside are then bounded by the memory budget."""
+    vmap = _compat.functorch_vmap_module()
+    vmap.lazy_load_decompositions()
+    vmap._check_out_dims_is_int_or_int_pytree(out_dims, func)
+    batch_size, flat_in_dims, flat_args, args_spec = vmap._process_batched_inputs(in_dims, args, func)
+    return vmap._flat_vmap(func, batch_size, flat_in_dims, flat_args, args_spec, out_dims, randomness, **kwargs)

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import _compat, batch_rules, fail_soft, fake_cuda_guard, requires_grad_tracing, zero_tangents
-from .batched_grad import batched_grad, forward_mode_jacobian
+from .batched_grad import batched_grad, forward_mode_jacobian, vmap_in_one_call
 from .records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -130,7 +130,6 @@ def capture_scope():
     fake_cuda_guard.fake_cuda_guard_outlives_threads()
     soft = fail_soft.soft
     jacfwd = _compat.functional_forward_jacobian()
-    vmap_impl = _compat.functorch_vmap_impl()
     with (
         soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules),
         soft("symbolic sizes of forward mode's zero tangents", zero_tangents.symbolic_zero_tangents),
@@ -141,9 +140,8 @@ def capture_scope():
         soft("the forward-mode Jacobian",
              lambda: dynamo_substitutes(jacfwd, forward_mode_jacobian) if jacfwd
              else contextlib.nullcontext()),
-        soft("one batched graph for a chunked torch.vmap",
-             lambda: dynamo_substitutes(vmap_impl, _compat.functorch_vmap_unchunked) if vmap_impl
-             else contextlib.nullcontext()),
+        soft("one mapped call for a chunked torch.vmap",
+             lambda: dynamo_substitutes(_compat.functorch_vmap_module().vmap_impl, vmap_in_one_call)),
         soft("one graph where a grad consumes what the frame returns", _returned_graphs_stay_whole),
         soft("tracing requires_grad_() (torch 2.11)",
              requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),
@@ -283,7 +281,7 @@ def _with_grad_tensors_positional(handler: Callable) -> Callable:
             args.append(kwargs.pop(name))
         try:
             return handler(variable, tx, *args, **kwargs)
-        except _compat.dynamo_graph_break_error():
+        except _compat.dynamo_exceptions().Unsupported:
             intermediates = _intermediates_differentiated(args[1]) if len(args) > 1 else []
             if not intermediates or getattr(tx, "one_graph", False):
                 raise
@@ -294,7 +292,7 @@ def _with_grad_tensors_positional(handler: Callable) -> Callable:
             log.warning("dynbatch: %s: the frame %s runs eagerly (its callees still compile)", reason,
                         getattr(getattr(tx, "f_code", None), "co_name", "?"))
             STATS.count(FRAMES_RUN_EAGERLY)
-            raise _compat.dynamo_skip_frame_error(f"dynbatch: {reason}") from None
+            raise _compat.dynamo_exceptions().SkipFrame(f"dynbatch: {reason}") from None
 
     return handle_autograd_grad
 
