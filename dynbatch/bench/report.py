@@ -256,7 +256,9 @@ def _mace_columns(results) -> list[str]:
 
 
 def mace_table(results, notes: Footnotes) -> str:
-    """Each column's median time per call, ± IQR, ×ratio to eager."""
+    """Each column's median time per call, ± IQR, ×ratio to eager; then, column by column,
+    the first call (compile included), the cores used while timed and the max abs error
+    against eager."""
     cols = _mace_columns(results)
     body = []
     for problem in results.get("mace", []):
@@ -268,23 +270,12 @@ def mace_table(results, notes: Footnotes) -> str:
                 return (f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} "
                         f"{fmt_ratio(ratio(cell['median_s'], base))}")
 
-            body.append([problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render))
-    return table(["call", "case"] + [f"{c} ms" for c in cols], body)
-
-
-def mace_first_cores_errors(results, notes: Footnotes) -> str:
-    """Each column's first call (compile included), cores used while timed, and max abs error against eager."""
-    cols = _mace_columns(results)
-    body = []
-    for problem in results.get("mace", []):
-        for case in problem["cases"]:
-            def render(case, v):
-                cell = case["variants"][v]
-                return (f"{fmt(cell.get('first_call_s'))} s / {fmt(cell.get('cores_used'))} / "
-                        f"{fmt(cell.get('max_abs_err'))}")
-
-            body.append([problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render))
-    return table(["call", "case"] + [f"{c} first / cores / err" for c in cols], body)
+            each = [" / ".join(fmt(figure(case, c, key)) for c in cols)
+                    for key in ("first_call_s", "cores_used", "max_abs_err")]
+            body.append([problem["problem"], case["label"]] + _case_cells(problem, case, cols, notes, render) + each)
+    per_column = f"({' / '.join(cols)})"
+    return table(["call", "case"] + [f"{c} ms" for c in cols]
+                 + [f"first call s {per_column}", "cores used", "max abs err vs eager"], body)
 
 
 def same_memory_method(meta: dict[str, Any]) -> Callable[[dict], bool]:
@@ -420,10 +411,9 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("mace"):
         parts += [
             "## A real model (mace)",
-            "Median time per call, ± interquartile range, in ms; ×ratio to `eager`.",
+            "Median time per call, ± interquartile range, in ms; ×ratio to `eager`; then per column the "
+            "first call (compile included), the cores used while timed and the max abs error against eager.",
             mace_table(results, notes),
-            "First call in s (compile included) / cores used while timed / max abs error against eager:",
-            mace_first_cores_errors(results, notes),
             "\n".join(f"- {p['problem']}: {p['description']}" for p in results["mace"]),
             "\n".join(f"- `{k}`: {v}" for k, v in mace_workload.DESCRIPTIONS.items()),
         ]
@@ -545,7 +535,7 @@ def doc_block(results: dict[str, Any], images: list[str]) -> str:
     if results.get("training"):
         parts.append(training_table(results, notes))
     if results.get("mace"):
-        parts += [mace_table(results, notes), mace_first_cores_errors(results, notes)]
+        parts.append(mace_table(results, notes))
     if notes.notes:
         parts.append(notes.markdown())
     return "\n\n".join(parts + images) + "\n"
