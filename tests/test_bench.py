@@ -488,3 +488,25 @@ def test_a_region_runs_the_program_it_is_given():
     torch.testing.assert_close(y, f(x))
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(grad, 2 * torch.cos(x))
+
+
+def test_mace_without_mace_torch_says_so_in_every_cell(tmp_path, monkeypatch):
+    """Without mace-torch (forced here, so the check is cheap where it is installed), every
+    cell of the mace workload says it is not installed; the run and its report go on.
+    The real run: tests/models/test_mace.py::test_bench_workload."""
+    from dynbatch.bench import mace_workload
+
+    def missing():
+        raise variants.VariantUnavailable(mace_workload.NOT_INSTALLED)
+
+    monkeypatch.setattr(mace_workload, "_import_mace", missing)
+    assert "mace" not in settings_from(parse_args([])).workloads  # minutes of compiles: run when named
+    assert main(["--quick", "--workloads", "mace", "--out", str(tmp_path), "--no-progress"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [p["problem"] for p in results["mace"]] == ["mace/training_step", "mace/inference_forces", "mace/hessian"]
+    for problem in results["mace"]:
+        cells = problem["cases"][0]["variants"]
+        assert set(cells) == set(mace_workload.COLUMNS), cells
+        assert all(c["status"] == "skipped: mace-torch is not installed (pip install -e '.[models]')"
+                   for c in cells.values()), cells
+    assert "## A real model (mace)" in (tmp_path / "results.md").read_text()

@@ -9,6 +9,7 @@ Modules, one concern each:
 - problem.py: the Problem/Case/Floor data a workload hands over;
 - workloads.py: the functions differentiated, their sizes and floors;
 - training.py: the force_training workload, a training step with columns of its own;
+- mace_workload.py: the mace workload, a real model (mace-torch) in three calls, columns of its own;
 - variants.py: how each column batches a problem (the plumbing);
 - measure.py: timing, memory and error of one cell;
 - stock.py: the stock torch.compile column, in a subprocess with a time limit;

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import torch
 
-from . import cli, measure, plots, report, runner, training
+from . import cli, mace_workload, measure, plots, report, runner, training
 from .cli import pin_to_cores
 from .variants import CUDA_ONLY, TRUTH, VARIANTS
 from .workloads import WORKLOADS
 
-# The batched-grad workloads, then the training step (columns of its own: training.py).
-ALL_WORKLOADS = [*WORKLOADS, *training.WORKLOADS]
+# The batched-grad workloads, then the training step and the real model (columns of their
+# own: training.py, mace_workload.py).  The real model runs when named: minutes of compiles.
+DEFAULT_WORKLOADS = [*WORKLOADS, *training.WORKLOADS]
+ALL_WORKLOADS = [*DEFAULT_WORKLOADS, *mace_workload.WORKLOADS]
 # python -m dynbatch.bench <command> ...: each in a module of its own, imported when named.
 COMMANDS = {"overhead": "per-call overhead of the columns: where a small call's time goes",
             "ab": "A/B of dynbatch or Inductor options on the same cells, side by side",
@@ -32,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Other commands, each with its own --help: "
                + "; ".join(f"dynbatch-bench {name}: {what}" for name, what in COMMANDS.items()),
     )
-    cli.add_problem_flags(parser, ALL_WORKLOADS,
+    cli.add_problem_flags(parser, ALL_WORKLOADS, default_workloads=DEFAULT_WORKLOADS,
                           quick_help="tiny sizes and short timing budgets (the CI smoke test, about 2 minutes "
                                      "on 2 cores)")
     parser.add_argument("--variants", type=lambda t: cli.names(t, list(VARIANTS), "variant(s)"),
@@ -111,6 +113,8 @@ def main(argv=None) -> int:
         print(report.time_table(results, notes))
     if results.get("training"):
         print(report.training_table(results, notes))
+    if results.get("mace"):
+        print(report.mace_table(results, notes))
     if notes.notes:
         print(notes.markdown())
     for name, path in paths.items():

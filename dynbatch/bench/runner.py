@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import dynbatch
 
-from . import measure, stock, training, variants, workloads
+from . import mace_workload, measure, stock, training, variants, workloads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambd
         results = {"meta": _meta(settings), "problems": []}
         stock_column = (stock.StockColumn(settings.stock_timeout_s, settings.threads)
                         if "stock_compile" in settings.variants
-                        and any(w not in training.WORKLOADS for w in settings.workloads) else None)
+                        and any(w in workloads.WORKLOADS for w in settings.workloads) else None)
         bar = tqdm(total=0, unit="cell", disable=not settings.progress, dynamic_ncols=True, file=sys.stderr)
         try:
             if stock_column is not None:
@@ -83,6 +83,10 @@ def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambd
             for i, name in enumerate(settings.workloads):
                 if name in training.WORKLOADS:  # columns of its own: a training step, not a batched grad
                     results.setdefault("training", []).extend(training.run(name, settings, bar))
+                    on_problem(results)
+                    continue
+                if name in mace_workload.WORKLOADS:  # a real model's calls, columns of its own
+                    results.setdefault("mace", []).extend(mace_workload.run(name, settings, bar))
                     on_problem(results)
                     continue
                 problems = workloads.build(name, settings.tier, settings.batch_sizes, settings.device,

@@ -347,12 +347,15 @@ def _jax_runner(problem: Problem, model: nn.Module, device: torch.device) -> Run
 # --- running a problem ------------------------------------------------------------
 
 def run_problem(problem: Problem, columns: tuple[str, ...], device: torch.device, budget: measure.Budget,
-                interleave: bool, bar) -> dict[str, Any]:
+                interleave: bool, bar, build: Callable[..., Runner] = build,
+                workload: str = "force_training") -> dict[str, Any]:
     """Every column on every case, eager first (the values the others are checked against);
-    then the steady-state times, interleaved per case."""
+    then the steady-state times, interleaved per case.  ``build(column, problem, device)``
+    makes a column's runner (another workload with columns of its own passes its own:
+    mace_workload.py)."""
     torch._dynamo.reset()
     cases = [{"label": c.label, "variants": {}} for c in problem.cases]
-    out = {"workload": "force_training", "problem": problem.name, "description": problem.description,
+    out = {"workload": workload, "problem": problem.name, "description": problem.description,
            "cases": cases, "graphs": {}, "notes": {}}
     references: list[torch.Tensor | None] = [None] * len(cases)
     calls: list[dict[str, Callable[[], Any]]] = [{} for _ in cases]

@@ -1,0 +1,218 @@
+"""The ``mace`` workload: a real model (mace-torch) in the three calls its users make.
+
+A small MACE (2 interactions, hidden irreps 8x0e+8x1o, float64; built as MACE's own
+compile helper builds it: e3nn's TorchScript code generation off, e3nn modules
+simplified with ``torch.fx``) on a batch of small molecules from ase.  Problems, one per
+call, each on that batch:
+
+- ``training_step``: ``model(batch, training=True, compute_force=True)`` (forces with
+  create_graph), loss ``sum((E - E_ref)^2) + mean((F - F_ref)^2)``, ``loss.backward()``;
+  the result compared is the parameter grads, flattened;
+- ``inference_forces``: ``model(batch, training=False, compute_force=True)``; the forces;
+- ``hessian``: ``compute_hessian=True`` as well (MACE's own ``torch.vmap`` of a vjp,
+  ``chunk_size=1``); the Hessian.
+
+Columns (``COLUMNS``): eager; stock ``torch.compile(model)`` (Inductor) after MACE's
+own preparation, ``mace.tools.compile.configure_autograd_for_compile(True)``; and
+``torch.compile(model, backend="dynbatch")`` with no preparation.  That preparation is
+global (``allow_in_graph(torch.autograd.grad)``, ``trace_autograd_ops=True``), so the
+stock column applies it around each of its own calls and undoes it after
+(``_compat.dynamo_in_graph_rules_restored``): the other columns never see it.
+
+The columns run through training.py's ``run_problem`` (cells, first calls, interleaved
+timing, cores used, errors against eager).  Without mace-torch every cell reads
+"skipped: mace-torch is not installed ...".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from . import training
+from .variants import Runner, VariantUnavailable
+
+COLUMNS = ("eager", "stock_mace_prep", "dynbatch")
+REFERENCE = "eager"
+DESCRIPTIONS = {
+    "eager": "MACE in eager PyTorch; the reference for ratios and errors",
+    "stock_mace_prep": "torch.compile(model) (Inductor) after MACE's "
+                       "mace.tools.compile.configure_autograd_for_compile(True), applied around this "
+                       "column's calls only",
+    "dynbatch": 'torch.compile(model, backend="dynbatch"), no preparation',
+}
+NOT_INSTALLED = "mace-torch is not installed (pip install -e '.[models]')"
+
+# The molecules of the batch, per size tier.
+_MOLECULES = {"quick": ("H2O", "CH4"), "cpu": ("CH3OH", "CH3CH2OH", "H2O"), "cuda": ("CH3OH", "CH3CH2OH", "H2O")}
+_DTYPE = torch.float64
+# call -> (model keyword arguments, what is compared with eager's).
+_CALLS = {
+    "training_step": ({"training": True, "compute_force": True}, "the parameter grads"),
+    "inference_forces": ({"training": False, "compute_force": True}, "the forces"),
+    "hessian": ({"training": False, "compute_force": True, "compute_hessian": True}, "the Hessian"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    batch: dict[str, Any] | None  # MACE's input dict; None where mace-torch is missing
+    e_ref: torch.Tensor | None = None  # per molecule (training_step)
+    f_ref: torch.Tensor | None = None  # per atom
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    description: str
+    call: str  # a key of _CALLS
+    make_model: Callable[[], nn.Module]
+    cases: tuple[Case, ...]
+
+
+def _import_mace():
+    """The mace modules, or VariantUnavailable.  ``mace`` first: it sets up e3nn's loading."""
+    try:
+        import mace  # noqa: F401
+        import ase.build
+        import numpy as np
+        from e3nn import o3
+        from mace import data, modules, tools
+        from mace.tools import compile as mace_compile
+        from mace.tools import torch_geometric
+    except ImportError:
+        raise VariantUnavailable(NOT_INSTALLED) from None
+    return ase, np, o3, data, modules, tools, mace_compile, torch_geometric
+
+
+def _model(device: torch.device) -> nn.Module:
+    """A 2-interaction MACE over H, C, O (24,096 parameters), as tests/models/test_mace.py's."""
+    _, np, o3, _, modules, tools, mace_compile, _ = _import_mace()
+    torch.manual_seed(0)  # the same parameters in every column
+    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
+    with mace_compile.disable_e3nn_codegen():
+        model = modules.ScaleShiftMACE(
+            r_max=4.0, num_bessel=6, num_polynomial_cutoff=5, max_ell=2, interaction_cls=block,
+            interaction_cls_first=block, num_interactions=2, num_elements=3,
+            hidden_irreps=o3.Irreps("8x0e+8x1o"), MLP_irreps=o3.Irreps("8x0e"),
+            atomic_energies=np.array([-1.0, -2.0, -3.0]), avg_num_neighbors=6.0,
+            atomic_numbers=tools.AtomicNumberTable([1, 6, 8]).zs, correlation=2, gate=torch.nn.functional.silu,
+            atomic_inter_scale=1.0, atomic_inter_shift=0.0)
+    return mace_compile.simplify(model).to(device=device, dtype=_DTYPE)
+
+
+def _batch(names: tuple[str, ...], device: torch.device) -> dict[str, Any]:
+    """The molecules from ase, shaken (seeded), as one MACE batch."""
+    ase, np, _, data, _, tools, _, torch_geometric = _import_mace()
+    rng, z_table = np.random.default_rng(0), tools.AtomicNumberTable([1, 6, 8])
+    dataset = []
+    for name in names:
+        atoms = ase.build.molecule(name)
+        atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
+        dataset.append(data.AtomicData.from_config(data.config_from_atoms(atoms), z_table=z_table, cutoff=4.0))
+    loader = torch_geometric.dataloader.DataLoader(dataset, batch_size=len(dataset), shuffle=False)
+    batch = next(iter(loader)).to_dict()
+    return {k: (v.to(device=device, dtype=_DTYPE) if v.is_floating_point() else v.to(device))
+            if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def mace(tier: str, device: torch.device, atoms=None) -> list[Problem]:
+    """The three problems on the tier's batch (``atoms`` is not used: the batch is molecules)."""
+    names = _MOLECULES[tier]
+    try:
+        batch = _batch(names, device)
+        gen = torch.Generator().manual_seed(34)
+        n_atoms = batch["positions"].shape[0]
+        label = f"{'+'.join(names)} N={n_atoms} float64"
+        case = Case(label, batch, torch.randn(len(names), generator=gen, dtype=_DTYPE).to(device),
+                    0.1 * torch.randn(n_atoms, 3, generator=gen, dtype=_DTYPE).to(device))
+    except VariantUnavailable:
+        case = Case(f"{'+'.join(names)} float64", None)
+    what = (f"a 2-interaction MACE (hidden irreps 8x0e+8x1o, 24,096 parameters, float64) on {'+'.join(names)}: "
+            "model(batch, {}); compared: {}")
+    return [Problem(name=f"mace/{call}", call=call, make_model=lambda: _model(device), cases=(case,),
+                    description=what.format(", ".join(f"{k}={v}" for k, v in kwargs.items()), compared)
+                    + (", after loss = sum((E - E_ref)^2) + mean((F - F_ref)^2) and loss.backward()"
+                       if call == "training_step" else ""))
+            for call, (kwargs, compared) in _CALLS.items()]
+
+
+WORKLOADS = {"mace": mace}
+
+
+# --- the columns ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def mace_prep() -> Iterator[None]:
+    """MACE's preparation for torch.compile, undone on exit."""
+    from dynbatch import _compat
+
+    *_, mace_compile, _ = _import_mace()
+    with _compat.dynamo_in_graph_rules_restored(torch.autograd.grad):
+        mace_compile.configure_autograd_for_compile(True)
+        yield
+
+
+def _fresh(batch: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the batch with positions requiring grad, as MACE expects of a compiled
+    model's caller (its prepare_graph skips it under torch.compile)."""
+    copy = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+    copy["positions"].requires_grad_(True)
+    return copy
+
+
+def _program(call: str, model: nn.Module, run: nn.Module) -> Callable[..., torch.Tensor]:
+    """``call`` through ``run`` (the model, compiled or not); returns what is compared."""
+    kwargs, _ = _CALLS[call]
+    params = list(model.parameters())
+    if call == "training_step":
+        def step(batch, e_ref, f_ref):
+            for p in params:
+                p.grad = None
+            out = run(_fresh(batch), **kwargs)
+            loss = ((out["energy"] - e_ref) ** 2).sum() + ((out["forces"] - f_ref) ** 2).mean()
+            loss.backward()
+            return torch.cat([p.grad.reshape(-1) for p in params])
+
+        return step
+    key = "hessian" if call == "hessian" else "forces"
+    return lambda batch, e_ref, f_ref: run(_fresh(batch), **kwargs)[key].detach()
+
+
+def build(column: str, problem: Problem, device: torch.device) -> Runner:
+    """One column's runner: its own copy of the model, compiled lazily on the first call."""
+    from .variants import _graph_counter  # noqa: PLC0415 - shared with the batched-grad columns
+
+    _import_mace()
+    model = problem.make_model()
+    counts: Callable[[], int | None] = lambda: None
+    if column == "eager":
+        call = _program(problem.call, model, model)
+    elif column == "dynbatch":
+        counts = _graph_counter()
+        call = _program(problem.call, model, torch.compile(model, backend="dynbatch"))
+    elif column == "stock_mace_prep":
+        counts = _graph_counter()
+        program = _program(problem.call, model, torch.compile(model))
+
+        def call(*args):
+            with mace_prep():
+                return program(*args)
+    else:
+        raise KeyError(f"unknown column {column!r}; choose from {COLUMNS}")
+    return Runner(variant=column, call=call, prepare=lambda case: (case.batch, case.e_ref, case.f_ref),
+                  to_torch=lambda r: r, compiles=counts)
+
+
+def run(workload: str, settings, bar) -> list[dict[str, Any]]:
+    problems = WORKLOADS[workload](settings.tier, settings.device, settings.atoms)
+    # The stock column runs when the run's columns include stock_compile (the default does).
+    columns = tuple(c for c in COLUMNS if c != "stock_mace_prep" or "stock_compile" in settings.variants)
+    bar.total += sum(len(p.cases) * len(columns) for p in problems)
+    return [training.run_problem(p, columns, settings.device, settings.budget, settings.interleave, bar,
+                                 build=build, workload=workload) for p in problems]
