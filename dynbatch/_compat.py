@@ -58,29 +58,6 @@ def trace_autograd_ops_enabled() -> Any:
     return torch._dynamo.config.patch(trace_autograd_ops=True)
 
 
-@contextlib.contextmanager
-def dynamo_in_graph_rules_restored(fn: Callable) -> Iterator[None]:
-    """Whatever the block does to ``fn``'s allow/disallow-in-graph state
-    (``torch.compiler.allow_in_graph`` has no inverse: ``disallow_in_graph`` forces a
-    graph break, which is not the default either) and to ``trace_autograd_ops``, undone
-    on exit."""
-    from torch._dynamo import trace_rules
-
-    ident = id(fn)
-    tables = (trace_rules._allowed_callable_ids, trace_rules._disallowed_callable_ids)
-    saved = [ident in table for table in tables]
-    saved_trace = torch._dynamo.config.trace_autograd_ops
-    try:
-        yield
-    finally:
-        torch._dynamo.config.trace_autograd_ops = saved_trace
-        for table, held in zip(tables, saved):
-            if held:
-                table.add(ident)
-            else:
-                table.remove(ident)
-
-
 def dynamo_utils_module() -> Any:
     """The module whose ``run_node`` Dynamo calls to fake-run each captured node."""
     import torch._dynamo.utils as dynamo_utils

@@ -17,7 +17,7 @@ own preparation, ``mace.tools.compile.configure_autograd_for_compile(True)``; an
 ``torch.compile(model, backend="dynbatch")`` with no preparation.  That preparation is
 global (``allow_in_graph(torch.autograd.grad)``, ``trace_autograd_ops=True``), so the
 stock column applies it around each of its own calls and undoes it after
-(``_compat.dynamo_in_graph_rules_restored``): the other columns never see it.
+(``_in_graph_rules_restored``): the other columns never see it.
 
 The columns run through training.py's ``run_problem`` (cells, first calls, interleaved
 timing, cores used, errors against eager).  Without mace-torch every cell reads
@@ -150,10 +150,8 @@ WORKLOADS = {"mace": mace}
 @contextlib.contextmanager
 def mace_prep() -> Iterator[None]:
     """MACE's preparation for torch.compile, undone on exit."""
-    from dynbatch import _compat
-
     *_, mace_compile, _ = _import_mace()
-    with _compat.dynamo_in_graph_rules_restored(torch.autograd.grad):
+    with _in_graph_rules_restored(torch.autograd.grad):
         mace_compile.configure_autograd_for_compile(True)
         yield
 
@@ -216,3 +214,26 @@ def run(workload: str, settings, bar) -> list[dict[str, Any]]:
     bar.total += sum(len(p.cases) * len(columns) for p in problems)
     return [training.run_problem(p, columns, settings.device, settings.budget, settings.interleave, bar,
                                  build=build, workload=workload) for p in problems]
+
+
+@contextlib.contextmanager
+def _in_graph_rules_restored(fn: Callable) -> Iterator[None]:
+    """Whatever the block does to ``fn``'s allow/disallow-in-graph state
+    (``torch.compiler.allow_in_graph`` has no inverse: ``disallow_in_graph`` forces a
+    graph break, which is not the default either) and to ``trace_autograd_ops``, undone
+    on exit.  Dynamo's private tables, as stock.py sets its config: bench code, not dynbatch's."""
+    from torch._dynamo import trace_rules
+
+    ident = id(fn)
+    tables = (trace_rules._allowed_callable_ids, trace_rules._disallowed_callable_ids)
+    saved = [ident in table for table in tables]
+    saved_trace = torch._dynamo.config.trace_autograd_ops
+    try:
+        yield
+    finally:
+        torch._dynamo.config.trace_autograd_ops = saved_trace
+        for table, held in zip(tables, saved):
+            if held:
+                table.add(ident)
+            else:
+                table.remove(ident)
