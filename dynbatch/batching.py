@@ -115,12 +115,13 @@ def _is_add_batch_dim(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") == "_add_batch_dim"
 
 
-def _vmapped(node: torch.fx.Node, memo: dict[torch.fx.Node, bool]) -> bool:
-    """Does ``node`` depend on a tensor that ``torch.vmap`` batched?"""
-    if node not in memo:
-        memo[node] = False  # no cycles in a graph; this only stops revisiting
-        memo[node] = _is_add_batch_dim(node) or any(_vmapped(n, memo) for n in node.all_input_nodes)
-    return memo[node]
+def _vmapped_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes that depend on a tensor ``torch.vmap`` batched (graph order is topological)."""
+    vmapped: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if _is_add_batch_dim(node) or any(a in vmapped for a in node.all_input_nodes):
+            vmapped.add(node)
+    return vmapped
 
 
 def _as_nodes(x) -> list | None:
@@ -145,7 +146,7 @@ def batch_vmapped_grads(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def vmapped_grads_as_batched(graph: torch.fx.Graph) -> list[str]:
     """``batch_vmapped_grads`` in place on ``graph``; the new grads' names."""
-    memo: dict[torch.fx.Node, bool] = {}
+    vmapped = _vmapped_nodes(graph)  # a rewrite adds only _add_batch_dim nodes, which say so themselves
     rewritten = []
     for node in list(graph.nodes):
         if not is_grad_call(node) or is_batched_grad_call(node) or TRACE_ERROR in node.meta:
@@ -163,7 +164,7 @@ def vmapped_grads_as_batched(graph: torch.fx.Graph) -> list[str]:
         levels = {c.args[2] for c in cotangents}
         values = [c.args[0] for c in cotangents]
         if (len(levels) != 1 or not all(isinstance(v, torch.fx.Node) for v in values)
-                or any(_vmapped(n, memo) for n in (*outputs, *inputs, *values))
+                or any(n in vmapped or _is_add_batch_dim(n) for n in (*outputs, *inputs, *values))
                 or any(u.target is not operator.getitem for u in node.users)):
             continue
         vmap = _enclosing_vmap(node)
@@ -242,6 +243,9 @@ def _rewrite_vmapped_grad(graph, node, args, cotangents, level, vmap) -> str:
             user.replace_all_uses_with(rebatched)
         graph.erase_node(user)
     graph.erase_node(node)
+    for c in dict.fromkeys(cotangents):  # the batched cotangents, now read by nothing
+        if not c.users:
+            graph.erase_node(c)
     return new.name
 
 
