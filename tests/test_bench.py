@@ -33,6 +33,7 @@ def quick_run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_writes_json_markdown_and_plots(quick_run):
     out, _ = quick_run
     for name in ("results.json", "results.md", "time_vs_batch.png", "compile_vs_batch.png", "memory_vs_batch.png",
@@ -42,6 +43,7 @@ def test_writes_json_markdown_and_plots(quick_run):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_every_workload_and_every_variant_per_case(quick_run):
     _, results = quick_run
     assert {p["workload"] for p in results["problems"]} == set(WORKLOADS)
@@ -65,6 +67,7 @@ def test_every_workload_and_every_variant_per_case(quick_run):
     assert any(cell["status"] == "ok" for cell in stock), [cell["status"] for cell in stock]
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_force_training_columns_match_eager_and_stock_compile_refuses(quick_run):
     out, results = quick_run
     problems = results["training"]
@@ -88,6 +91,7 @@ def test_force_training_columns_match_eager_and_stock_compile_refuses(quick_run)
     assert "## Training with forces (force_training)" in (out / "results.md").read_text()
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):
     _, results = quick_run
     for problem in results["problems"]:
@@ -110,6 +114,7 @@ def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):
         assert problem["dynbatch_budget"]["fallbacks"] == 0, problem["dynbatch_budget"]["fallback_reasons"]
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_chunked_vmap_matches_the_eager_loop(quick_run):
     _, results = quick_run
     for problem in results["problems"]:
@@ -119,6 +124,7 @@ def test_chunked_vmap_matches_the_eager_loop(quick_run):
             assert cell["max_abs_err"] <= 1e-5 * max(case["reference_max_abs"], 1.0), (problem["problem"], case)
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_full_hessian_runs_both_energies_unchunked(quick_run):
     _, results = quick_run
     problems = {p["problem"]: p for p in results["problems"] if p["workload"] == "full_hessian"}
@@ -134,6 +140,7 @@ def test_full_hessian_runs_both_energies_unchunked(quick_run):
                     assert cell["peak_mem_bytes"] > 0, (problem["problem"], variant)
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_symbolic_batch_reuses_the_graph_on_the_sweep(quick_run):
     _, results = quick_run
     sweep = next(p for p in results["problems"] if p["workload"] == "sweep")
@@ -142,6 +149,7 @@ def test_symbolic_batch_reuses_the_graph_on_the_sweep(quick_run):
     assert sweep["graphs"]["dynbatch"] <= 2
 
 
+@pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_markdown_shows_ratios_and_notes(quick_run):
     out, results = quick_run
     md = (out / "results.md").read_text()

@@ -47,6 +47,13 @@ def hessian_rows(x, V):
     return torch.autograd.grad(g, x, V, is_grads_batched=True)
 
 
+def vmapped_hessian_rows(x, V):
+    """MACE's spelling of Hessian rows: ``torch.vmap`` of a vjp, chunked (NOTE [Grads under torch.vmap])."""
+    x = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(torch.tanh(x @ W1).pow(2).sum(), x, create_graph=True)
+    return torch.vmap(lambda v: torch.autograd.grad(g, x, v, retain_graph=True)[0], chunk_size=1)(V)
+
+
 def functional_jacobian(x, _V):
     return torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ W1), x, vectorize=True)
 
@@ -72,6 +79,7 @@ PROGRAMS = {
         lambda B: (torch.randn(4, 8), torch.randn(3), torch.randn(B, 4, 8), torch.randn(B, 4)),
     ),
     "hessian_rows": (hessian_rows, lambda B: (torch.randn(2, 8), torch.randn(B, 2, 8))),
+    "vmapped_hessian_rows": (vmapped_hessian_rows, lambda B: (torch.randn(2, 8), torch.randn(B, 2, 8))),
     "functional_jacobian": (functional_jacobian, lambda B: (torch.randn(B, 8), None)),
     "attention_block": (attention_block, lambda B: (torch.randn(6, 8), torch.randn(B, 6, 8))),
     "fallback_bad_cotangent": (fallback_bad_cotangent, lambda B: (torch.randn(4), torch.randn(B, 5))),
