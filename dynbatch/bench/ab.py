@@ -102,14 +102,14 @@ def main(argv=None) -> int:
     batched = argparse.Namespace(**{**vars(args), "workloads": [w for w in args.workloads if w in WORKLOADS]})
     for problem in cli.problems(batched):
         def runner(name, options, problem=problem):
-            return variants.dynbatch_runner(name, problem, options, own_code=True)
+            return variants.dynbatch_runner(name, problem, options)
 
         for row in measure_problem(problem, columns, device, cli.budget(args), runner):
             print("| " + " | ".join(row) + " |", flush=True)
     for name in (w for w in args.workloads if w in training.WORKLOADS):
         for problem in training.WORKLOADS[name](cli.tier(args), device, args.atoms):
             def runner(name, options, problem=problem):
-                return training.build(args.column, problem, device, options, name, own_code=True)
+                return training.build(args.column, problem, device, options, name)
 
             for row in measure_problem(problem, columns, device, cli.budget(args), runner):
                 print("| " + " | ".join(row) + " |", flush=True)

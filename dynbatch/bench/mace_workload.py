@@ -17,7 +17,9 @@ own preparation, ``mace.tools.compile.configure_autograd_for_compile(True)``; an
 ``torch.compile(model, backend="dynbatch")`` with no preparation.  That preparation is
 global (``allow_in_graph(torch.autograd.grad)``, ``trace_autograd_ops=True``), so the
 stock column applies it around each of its own calls and undoes it after
-(``_in_graph_rules_restored``): the other columns never see it.
+(``stock.grad_traced_as_mace_does``): the other columns never see it.  Each compiled
+column compiles a forward with a code object of its own (NOTE [A code object per
+compiled column] in variants.py).
 
 The columns run through training.py's ``run_problem`` (cells, first calls, interleaved
 timing, cores used, errors against eager).  Without mace-torch every cell reads
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from . import training
-from .variants import Runner, VariantUnavailable
+from . import stock, training
+from .variants import Runner, VariantUnavailable, with_own_forward
 
 COLUMNS = ("eager", "stock_mace_prep", "dynbatch")
 REFERENCE = "eager"
@@ -147,13 +150,10 @@ WORKLOADS = {"mace": mace}
 
 # --- the columns ----------------------------------------------------------------
 
-@contextlib.contextmanager
-def mace_prep() -> Iterator[None]:
+def mace_prep() -> contextlib.AbstractContextManager[None]:
     """MACE's preparation for torch.compile, undone on exit."""
     *_, mace_compile, _ = _import_mace()
-    with _in_graph_rules_restored(torch.autograd.grad):
-        mace_compile.configure_autograd_for_compile(True)
-        yield
+    return stock.grad_traced_as_mace_does(functools.partial(mace_compile.configure_autograd_for_compile, True))
 
 
 def _fresh(batch: dict[str, Any]) -> dict[str, Any]:
@@ -193,10 +193,10 @@ def build(column: str, problem: Problem, device: torch.device) -> Runner:
         call = _program(problem.call, model, model)
     elif column == "dynbatch":
         counts = _graph_counter()
-        call = _program(problem.call, model, torch.compile(model, backend="dynbatch"))
+        call = _program(problem.call, model, torch.compile(with_own_forward(model), backend="dynbatch"))
     elif column == "stock_mace_prep":
         counts = _graph_counter()
-        program = _program(problem.call, model, torch.compile(model))
+        program = _program(problem.call, model, torch.compile(with_own_forward(model)))
 
         def call(*args):
             with mace_prep():
@@ -215,25 +215,3 @@ def run(workload: str, settings, bar) -> list[dict[str, Any]]:
     return [training.run_problem(p, columns, settings.device, settings.budget, settings.interleave, bar,
                                  build=build, workload=workload) for p in problems]
 
-
-@contextlib.contextmanager
-def _in_graph_rules_restored(fn: Callable) -> Iterator[None]:
-    """Whatever the block does to ``fn``'s allow/disallow-in-graph state
-    (``torch.compiler.allow_in_graph`` has no inverse: ``disallow_in_graph`` forces a
-    graph break, which is not the default either) and to ``trace_autograd_ops``, undone
-    on exit.  Dynamo's private tables, as stock.py sets its config: bench code, not dynbatch's."""
-    from torch._dynamo import trace_rules
-
-    ident = id(fn)
-    tables = (trace_rules._allowed_callable_ids, trace_rules._disallowed_callable_ids)
-    saved = [ident in table for table in tables]
-    saved_trace = torch._dynamo.config.trace_autograd_ops
-    try:
-        yield
-    finally:
-        torch._dynamo.config.trace_autograd_ops = saved_trace
-        for table, held in zip(tables, saved):
-            if held:
-                table.add(ident)
-            else:
-                table.remove(ident)

@@ -142,7 +142,7 @@ def measure_training_problem(problem, device: torch.device, budget: measure.Budg
             if column == "stock_energy_only":
                 call = functools.partial(_stock_energy_only(problem, device), *args)
             else:
-                runner = training.build(column, problem, device, name=f"{column}/{case.label}", own_code=True)
+                runner = training.build(column, problem, device, name=f"{column}/{case.label}")
                 call = functools.partial(runner.call, *runner.prepare(case))
             call()  # compile, and the second step's path (grads at forward time)
             call()

@@ -18,12 +18,13 @@ own call, so the pipe's round trip is not in the figure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import multiprocessing
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import measure, variants, workloads
 
@@ -206,3 +207,47 @@ class StockColumn:
             self._conn.close()
         self._proc = self._conn = None
         self._timing = False
+
+
+# --- stock with the grad traced, as MACE prepares it (in-process columns) ---------------
+
+@contextlib.contextmanager
+def grad_traced_as_mace_does(prepare: Callable[[], None] | None = None) -> Iterator[None]:
+    """Stock Dynamo configured as MACE configures it for torch.compile
+    (``mace.tools.compile.configure_autograd_for_compile(True)``:
+    ``allow_in_graph(torch.autograd.grad)`` and ``trace_autograd_ops=True``), or by
+    ``prepare`` (MACE's own function, where mace-torch is installed), undone on exit.
+    Global state, so an in-process column applies it around its own calls only."""
+    import torch
+
+    with _in_graph_rules_restored(torch.autograd.grad):
+        if prepare is not None:
+            prepare()
+        else:
+            torch.compiler.allow_in_graph(torch.autograd.grad)
+            torch._dynamo.config.trace_autograd_ops = True
+        yield
+
+
+@contextlib.contextmanager
+def _in_graph_rules_restored(fn: Callable) -> Iterator[None]:
+    """Whatever the block does to ``fn``'s allow/disallow-in-graph state
+    (``torch.compiler.allow_in_graph`` has no inverse: ``disallow_in_graph`` forces a
+    graph break, which is not the default either) and to ``trace_autograd_ops``, undone
+    on exit.  Dynamo's private tables: bench code, not dynbatch's."""
+    import torch
+    from torch._dynamo import trace_rules
+
+    ident = id(fn)
+    tables = (trace_rules._allowed_callable_ids, trace_rules._disallowed_callable_ids)
+    saved = [ident in table for table in tables]
+    saved_trace = torch._dynamo.config.trace_autograd_ops
+    try:
+        yield
+    finally:
+        torch._dynamo.config.trace_autograd_ops = saved_trace
+        for table, held in zip(tables, saved):
+            if held:
+                table.add(ident)
+            else:
+                table.remove(ident)

@@ -9,6 +9,10 @@ columns here are the ways a user can compile that step:
 - ``eager``: no compile (the reference of every ratio);
 - ``stock_compile``: ``torch.compile(model)`` with Inductor, forces outside (it
   raises: AOTAutograd has no double backward; the cell records the error);
+- ``stock_traced``: the honest peer: stock Inductor of the model that computes the
+  forces in its forward, configured as MACE configures it for torch.compile
+  (``allow_in_graph(torch.autograd.grad)``, ``trace_autograd_ops=True``, the caller
+  sets ``pos.requires_grad_()``), that configuration applied around its own calls only;
 - ``dynbatch_model_in``: the model computes the forces in its forward, after
   ``pos.requires_grad_(True)`` (the MACE / NequIP idiom), compiled by dynbatch;
 - ``dynbatch_model_out``: the model returns E, compiled by dynbatch; the forces
@@ -32,15 +36,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import measure, variants
+from . import measure, stock, variants
 from .variants import Runner, VariantUnavailable
 from .workloads import _lattice
 
-COLUMNS = ("eager", "stock_compile", "dynbatch_model_in", "dynbatch_model_out", "dynbatch_step", "jax")
+COLUMNS = ("eager", "stock_compile", "stock_traced", "dynbatch_model_in", "dynbatch_model_out", "dynbatch_step", "jax")
 REFERENCE = "eager"
 DESCRIPTIONS = {
     "eager": "the step in eager PyTorch; the reference for ratios",
     "stock_compile": "torch.compile(model) (Inductor), forces taken outside with create_graph=True",
+    "stock_traced": "torch.compile(model) (Inductor) of the model that computes the forces in its forward, "
+                    "configured as MACE configures it (allow_in_graph(torch.autograd.grad), "
+                    "trace_autograd_ops=True, pos.requires_grad_() by the caller)",
     "dynbatch_model_in": 'torch.compile(model, backend="dynbatch") of a model whose forward calls '
                          "pos.requires_grad_(True) and returns E and F (create_graph=True)",
     "dynbatch_model_out": 'torch.compile(model, backend="dynbatch"); F = -grad(E, pos, create_graph=True) '
@@ -241,10 +248,13 @@ def _step_outside(model: nn.Module) -> Callable:
     return step
 
 
-def _step_inside(model: nn.Module) -> Callable:
+def _step_inside(model: nn.Module, caller_sets_requires_grad: bool = False) -> Callable:
+    """``caller_sets_requires_grad``: the positions arrive requiring grad, as MACE's callers
+    pass them to a compiled model (its own ``requires_grad_`` is skipped under torch.compile)."""
     def step(pos, *rest):
         *graph, e_ref, f_ref = rest
-        energy, forces = model(pos.detach(), *graph)
+        pos = pos.detach().requires_grad_() if caller_sets_requires_grad else pos.detach()
+        energy, forces = model(pos, *graph)
         loss = _loss(energy, forces, e_ref, f_ref)
         loss.backward()
         return loss.detach()
@@ -269,41 +279,40 @@ DYNBATCH_COLUMNS = ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step")
 
 
 def build(column: str, problem: Problem, device: torch.device, options: dict[str, Any] | None = None,
-          name: str | None = None, own_code: bool = False) -> Runner:
+          name: str | None = None) -> Runner:
     """One column's runner: its own copy of the model, compiled lazily on the first call
-    (the dynbatch columns with ``options``).  ``python -m dynbatch.bench ab`` names the
-    runner and asks for ``own_code``: the compiled function (or module's forward) gets a
-    code object of its own, so one setting's graphs do not make the next one's dynamic."""
+    (the dynbatch columns with ``options``), each compiled function or module's forward
+    with a code object of its own (NOTE [A code object per compiled column] in variants.py)."""
     from .variants import _graph_counter  # noqa: PLC0415 - shared with the batched-grad columns
 
     model = problem.make_model()
     name = name or column
 
-    def dynbatch_compile(fn):
-        if own_code:
-            fn = _with_own_forward(fn) if isinstance(fn, nn.Module) else variants.with_own_code(fn)
-        return torch.compile(fn, backend="dynbatch", options=options)
+    def compile_(fn, backend: str = "dynbatch"):
+        fn = variants.with_own_forward(fn) if isinstance(fn, nn.Module) else variants.with_own_code(fn)
+        return torch.compile(fn, backend=backend, options=options if backend == "dynbatch" else None)
 
     if column == "eager":
         return _torch_runner(name, model, _step_outside(model), lambda: None)
     if column == "stock_compile":
-        return _torch_runner(name, model, _step_outside(torch.compile(model)), _graph_counter())
+        return _torch_runner(name, model, _step_outside(compile_(model, "inductor")), _graph_counter())
+    if column == "stock_traced":
+        step = _step_inside(compile_(ForcesInForward(model), "inductor"), caller_sets_requires_grad=True)
+
+        def traced(*args):
+            with stock.grad_traced_as_mace_does():
+                return step(*args)
+
+        return _torch_runner(name, model, traced, _graph_counter())
     if column == "dynbatch_model_in":
-        return _torch_runner(name, model, _step_inside(dynbatch_compile(ForcesInForward(model))), _graph_counter())
+        return _torch_runner(name, model, _step_inside(compile_(ForcesInForward(model))), _graph_counter())
     if column == "dynbatch_model_out":
-        return _torch_runner(name, model, _step_outside(dynbatch_compile(model)), _graph_counter())
+        return _torch_runner(name, model, _step_outside(compile_(model)), _graph_counter())
     if column == "dynbatch_step":
-        return _torch_runner(name, model, dynbatch_compile(_step_outside(model)), _graph_counter())
+        return _torch_runner(name, model, compile_(_step_outside(model)), _graph_counter())
     if column == "jax":
         return _jax_runner(problem, model, device)
     raise KeyError(f"unknown column {column!r}; choose from {COLUMNS}")
-
-
-def _with_own_forward(module: nn.Module) -> nn.Module:
-    """``module`` as an instance of a subclass whose forward has a code object of its own."""
-    cls = type(module)
-    module.__class__ = type(cls.__name__, (cls,), {"forward": variants.with_own_code(cls.forward)})
-    return module
 
 
 def _jax_runner(problem: Problem, model: nn.Module, device: torch.device) -> Runner:
@@ -397,7 +406,9 @@ def run_problem(problem: Problem, columns: tuple[str, ...], device: torch.device
 
 def run(workload: str, settings, bar) -> list[dict[str, Any]]:
     problems = WORKLOADS[workload](settings.tier, settings.device, settings.atoms)
-    # stock_compile and jax run when the run's columns include them (the default does).
-    columns = tuple(c for c in COLUMNS if c not in ("stock_compile", "jax") or c in settings.variants)
+    # The stock columns run when the run's columns include stock_compile, jax when they
+    # include it (the default does both).
+    stock_ = {"stock_compile": "stock_compile", "stock_traced": "stock_compile", "jax": "jax"}
+    columns = tuple(c for c in COLUMNS if c not in stock_ or stock_[c] in settings.variants)
     bar.total += sum(len(p.cases) * len(columns) for p in problems)
     return [run_problem(p, columns, settings.device, settings.budget, settings.interleave, bar) for p in problems]
