@@ -258,11 +258,11 @@ _OWN_CODE = itertools.count()
 # NOTE [A code object per compiled column]
 # Dynamo keeps its cache, its recompile limit and its record of which sizes changed
 # (automatic dynamic) per code object.  Two columns that compile the same function (or
-# two instances of one model class) share them: each call then checks the other
-# column's guards first where its entry is older, a failed check that cost the MACE
-# training step about 0.5 ms (5-10 %, always to the column compiled first), and one
-# column's second size made the other's graphs dynamic.  So every compiled column
-# compiles a function, or a module's forward, with a code object of its own.
+# two instances of one model class) share them: the second column's compile is a
+# recompile of the first's frame (MACE: "[0/1] ... guard failure: ___check_type_id"),
+# a call may check the other column's guards before its own, and one column's second
+# size makes the other's graphs dynamic.  So every compiled column compiles a
+# function, or a module's forward, with a code object of its own.
 
 def with_own_code(fn: Callable) -> Callable:
     """``fn`` with a code object of its own (a new name): NOTE [A code object per compiled column]."""
