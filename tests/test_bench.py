@@ -304,8 +304,9 @@ def test_interleaved_times_runs_warm_blocks_in_rounds_and_reads_each_columns_cor
     # a block is ~20 ms (+1 warm-up call); a shuffle may join a column's blocks of two rounds
     assert all(length <= 2 * (0.02 / 0.002 + 1) for _, length in runs), runs
     assert min(timed["spin"]["times_s"]) >= 0.004 and min(timed["sleep"]["times_s"]) >= 0.002
-    # each column's CPU time is its own: the spinner near one core, the sleeper near none
-    assert timed["spin"]["cores_used"] > 0.5 and timed["sleep"]["cores_used"] < 0.5
+    # each column's CPU time is its own: the spinner near one core (less on a loaded
+    # machine), the sleeper near none
+    assert timed["spin"]["cores_used"] > 4 * timed["sleep"]["cores_used"] and timed["sleep"]["cores_used"] < 0.5
 
 
 def test_versus_best_other_is_the_geometric_mean_of_per_case_ratios():

@@ -27,7 +27,7 @@ import pathlib
 import pytest
 import torch
 import torch._dynamo.convert_frame as convert_frame
-from conftest import INDUCTOR, compile_dynbatch
+from conftest import AOT_EAGER, INDUCTOR, compile_dynbatch
 
 import dynbatch
 from dynbatch import passes, region_program
@@ -81,7 +81,8 @@ def _tolerance(dtype):
     return {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+# float32 under -m slow: the same Inductor graph, and 15 s of the default suite.
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])
 def test_functional_hessian_of_an_index_add_energy_outside(dtype):
     energy, r0 = _pair_energy(dtype)
     expected = torch.autograd.functional.hessian(energy, r0, vectorize=True)
@@ -318,9 +319,11 @@ def _molecules(n_atoms=(5, 7)):
             "edge_index": torch.tensor(pairs).T, "batch": batch, "ptr": ptr}
 
 
+# The MACE-shaped module meets Dynamo and AOTAutograd, not Inductor: one graph
+# (fullgraph), no fallback ("error"), lowered cheaply (aot_eager).
 def test_mace_shaped_inference_forces_equal_eager():
     model = _MaceShaped()
-    compiled = torch.compile(model, backend="dynbatch")
+    compiled = compile_dynbatch(model)
     for n_atoms in ((5, 7), (5, 7), (6, 4)):
         data = _molecules(n_atoms)
         got = compiled({**data, "positions": data["positions"].clone()}, training=False)
@@ -332,7 +335,7 @@ def test_mace_shaped_inference_forces_equal_eager():
 
 def test_mace_shaped_training_step_equals_eager():
     model = _MaceShaped()
-    compiled = torch.compile(model, backend="dynbatch")
+    compiled = compile_dynbatch(model)
     data = _molecules()
 
     def step(m):
@@ -403,13 +406,13 @@ def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
         torch._dynamo.graph_break()
         return e, torch.autograd.grad(outputs=[e], inputs=[pos])[0]
 
-    compiled = torch.compile(f, backend="dynbatch")
+    # The engine's entries into dynbatch are the same whoever lowers the graphs.
+    compiled = torch.compile(f, backend="dynbatch", options=AOT_EAGER)
     for n in (6, 7, 8):
         pos = torch.randn(n, 3, requires_grad=True)
         torch.testing.assert_close(compiled(pos), f(pos))
     energy, r0 = _pair_energy(torch.float64, n=5)
-    torch.testing.assert_close(torch.autograd.functional.hessian(torch.compile(energy, backend="dynbatch"), r0,
-                                                                 vectorize=True),
+    torch.testing.assert_close(torch.autograd.functional.hessian(compile_dynbatch(energy), r0, vectorize=True),
                                torch.autograd.functional.hessian(energy, r0, vectorize=True))
     ours = [c for c in frames_dynamo_compiles
             if c.co_filename.startswith(str(pathlib.Path(dynbatch.__file__).parent))
@@ -472,7 +475,6 @@ def test_attention_without_dropout_is_not_a_random_op():
     # scaled_dot_product_attention's CPU op carries torch's nondeterministic_seeded tag even
     # at dropout_p=0 (every transformer in eval mode): a batched grad from outside looped
     # per sample over the compiled backward instead of running it batched.
-    from conftest import AOT_EAGER
 
     class Attention(torch.nn.Module):
         def __init__(self):
