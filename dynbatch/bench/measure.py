@@ -281,7 +281,8 @@ def short_error(exc: BaseException, limit: int = 160) -> str:
         detail = f"{inner.group(1)}: {inner.group(3).strip()}"
     else:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
-        detail = lines[0] if lines else ""
+        # Inductor's "backend='inductor' raised:" names the error on the next line.
+        detail = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
     name = type(root).__name__
     text = f"{name}: {detail}" if detail and not detail.startswith(name) else (detail or name)
     return text if len(text) <= limit else text[: limit - 3] + "..."
