@@ -77,7 +77,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat, fx_utils, region_direct, requires_grad_tracing
+from . import _compat, batching, fx_utils, region_direct, requires_grad_tracing
 from .records import STATS
 from .region_args import merge, why_run_eagerly
 from .region_batching import batching_of
@@ -131,7 +131,7 @@ class Region:
             graph_program(self.gm, is_input), recompile, "region",
             compiled=lambda inputs, others: self.compiled(*merge(is_input, inputs, others)),
             random_ops=tuple(random_ops), region=self, written=tuple(others_at.index(i) for i in self.mutated),
-            options=options)
+            options=options, recompute_batched=_why_batched_grads_recompute(self.gm))
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time] in region_create_graph.py); None until one has.
         self.with_grads: Program | None = None
@@ -228,7 +228,8 @@ class Region:
         (index, _), = out_grads
         self.with_grads = Program(with_grads_of(self.program.python, index, needed), self.program.recompile,
                                   "forward_with_grads", linear=(index, needed, self.n_outputs),
-                                  written=self.program.written, options=self.program.options)
+                                  written=self.program.written, options=self.program.options,
+                                  recompute_batched=self.program.recompute_batched)
 
     def learn_direct(self, outs: Sequence[Any], diff: Sequence[int], leaves: Sequence[torch.Tensor],
                      others: Sequence[Any]) -> None:
@@ -272,6 +273,17 @@ class Region:
 # copies of the ones the graph writes (``Program.written``), and a vjp's node
 # saves the unwritten copies for its own recomputes: what is saved is never
 # written, and every order of derivative reads what the forward read.
+
+def _why_batched_grads_recompute(gm: torch.fx.GraphModule) -> str | None:
+    """Why a batched backward from outside must recompute the graph rather than run
+    AOTAutograd's backward over its saved activations, or None.  A grad inside that eagerly
+    frees the graph it consumed (NOTE [A grad that consumes returned tensors] in capture.py):
+    eager's backward through that graph raises, and so does the recompute (its eager re-run);
+    the saved activations, kept by the retained graph, would answer."""
+    if any(batching.frees_its_graph(node) for node in gm.graph.nodes):
+        return "a grad inside it frees the graph it differentiates, as eager's would"
+    return None
+
 
 def _first_order_only(region: Region, outs: Any) -> Any:
     """Outputs of a graph that mutates a differentiable input: AOTAutograd's autograd,

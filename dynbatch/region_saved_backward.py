@@ -59,8 +59,10 @@ _PLAN_NAME = "saved_activations_backward"
 # epilogue would do -- tensor subclasses, an input that needs grad written in place,
 # outputs that alias, intermediate bases, effect tokens, functionalized random numbers,
 # opaque objects, compiled autograd's state, a tangent traced in a memory format other
-# than contiguous -- or a call with autocast on, or with deterministic algorithms turned
-# on since the compile, goes to the recompute path (the reason logged once per region).
+# than contiguous -- a region whose graph holds a grad that eagerly frees the graph it
+# differentiates (region._why_batched_grads_recompute: eager raises there, and so does the
+# recompute) -- or a call with autocast on, or with deterministic algorithms turned on since
+# the compile, goes to the recompute path (the reason logged once per region).
 #
 # A program is compiled per set of needed grads (NOTE [Only the grads a backward uses]:
 # the graph's other outputs are dead code, eliminated), for a B that is symbolic from the
@@ -89,6 +91,8 @@ def batched_grads(program: Any, call: AotCall | None, out_grads: Sequence[tuple[
 
 def _from_saved_activations(program, call, out_grads, needed, batch_size) -> tuple | str:
     """``batched_grads``, or why the saved activations cannot give them."""
+    if program.recompute_batched is not None:
+        return program.recompute_batched
     if call is None:
         return "its outputs do not come from one AOTAutograd node"
     backward = _saved_backward_of(call.node)
@@ -154,7 +158,8 @@ def _read_backward(forward_cls: type) -> SavedBackward | str:
     reason = _unsupported(forward_cls, meta)
     if reason is not None:
         return reason
-    survivors = [(meta.num_mutated_inp_runtime_indices + i, i) for i, info in enumerate(meta.output_info)
+    # The node's outputs are the mutated inputs, then the graph's outputs: each survivor's number.
+    survivors = [meta.num_mutated_inp_runtime_indices + i for i, info in enumerate(meta.output_info)
                  if info.output_type.name in _OWN_OUTPUTS and issubclass(info.raw_type, torch.Tensor)
                  and getattr(info, "requires_grad_for_backward", info.requires_grad)]
     placeholders = list(graph.graph.find_nodes(op="placeholder"))
@@ -166,7 +171,7 @@ def _read_backward(forward_cls: type) -> SavedBackward | str:
     layouts = [_traced_layout(m) for m in metas]
     if len(layouts) != len(survivors) or any(isinstance(x, str) for x in layouts):
         return next((x for x in layouts if isinstance(x, str)), "its tangents' metadata does not match")
-    return SavedBackward(graph, len(placeholders) - len(survivors), [nr for nr, _ in survivors], layouts)
+    return SavedBackward(graph, len(placeholders) - len(survivors), survivors, layouts)
 
 
 def _unsupported(forward_cls: type, meta: Any) -> str | None:
@@ -193,7 +198,7 @@ def _traced_layout(tangent_meta: Any) -> tuple | None | str:
     if layout is None:
         return None
     if layout.memory_format is not None:
-        return None if layout.memory_format == torch.contiguous_format else "a tangent traced channels-last"
+        return None if layout.memory_format == torch.contiguous_format else "a tangent traced in another memory format"
     size, stride = tuple(layout.size), tuple(layout.stride)
     return None if stride == _contiguous_strides(size) else (size, stride)
 
@@ -236,7 +241,7 @@ class SavedBackward:
             return first
         chunk = first.chunk(saved, tangents)
         if chunk >= batch_size:
-            return first.run([*saved, *tangents])
+            return self._run(first, [*saved, *tangents])
         # Even chunks (sizes differ by at most one), each through the program its sizes pass.
         n = -(-batch_size // chunk)
         sizes = [batch_size // n + (i < batch_size % n) for i in range(n)]
@@ -245,10 +250,22 @@ class SavedBackward:
         for start, size in zip(starts, sizes):
             args = [*saved, *(t[start:start + size] for t in tangents)]
             program = self._program(wanted, args, options)
-            if isinstance(program, str):
-                return program
-            parts.append(program.run(args))
+            part = program if isinstance(program, str) else self._run(program, args)
+            if isinstance(part, str):
+                return part
+            parts.append(part)
         return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+
+    @staticmethod
+    def _run(program: _Program, args: list[Any]) -> tuple | str:
+        """The program's grads, or why it failed: it computes without side effects, so the
+        recompute path may answer the same call (a failure is a bug here, never the user's)."""
+        try:
+            return program.run(args)
+        except Exception as e:  # noqa: BLE001 - the recompute path is always right
+            log.warning("dynbatch: the batched backward of a compiled graph's saved activations failed, "
+                        "recomputing its forward instead: %s: %s", type(e).__name__, e)
+            return f"running it failed: {type(e).__name__}: {e}"
 
     def _program(self, wanted: tuple[bool, ...], args: list[Any], options: Any) -> _Program | str:
         """The compiled program whose guards accept ``args``; compiled now if none does."""

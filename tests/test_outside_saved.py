@@ -228,3 +228,19 @@ def test_random_ops_loop_per_sample_over_the_compiled_backward():
     assert_same_grads(got, loop_grads(out, x, V)[0])
     c = counts()
     assert c["outside_per_sample"] == 1 and "outside_batched_saved" not in c, c
+
+
+def test_a_graph_a_grad_inside_freed_recomputes_and_raises_as_eager():
+    # NOTE [A grad that consumes returned tensors]: the grad inside is traced retaining y's
+    # graph, so the saved activations would answer; eager's second backward raises.
+    def f(x, V):
+        y = torch.exp(x)
+        first = grad(y, x, V, is_grads_batched=True)
+        return first, grad(y, x, V, is_grads_batched=True)
+
+    x, V = x64(3, requires_grad=True), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        f(x, V)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        compile_dynbatch(f, fullgraph=False)(x, V)
+    assert counts()["graphs"] == 1 and "outside_batched_saved" not in counts(), counts()
