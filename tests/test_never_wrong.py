@@ -352,6 +352,10 @@ def test_mace_shaped_training_step_equals_eager():
 
 # --- compile-time work leaves the user's RNG and transforms alone -------------------
 
+@pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) >= "2.14", strict=True, raises=KeyError,
+    reason="torch 2.14's Dynamo breaks the graph at functional.hessian's requires_grad_() inside the "
+           "forward-mode jacobian and runs the frame eagerly: eager's values, no graph compiled")
 def test_forward_mode_hessian_inside_equals_eager_and_draws_nothing():
     # PyTorch's test_hessian_vectorize_correctness_multi_input, forward-mode outer Jacobian.
     torch.manual_seed(0)
