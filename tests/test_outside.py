@@ -20,6 +20,7 @@ pointers of BatchedTensors, donated buffers); the rest use aot_eager.
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import warnings
 
@@ -545,8 +546,14 @@ def test_second_derivatives_through_a_graph_that_writes_its_inputs_equal_eager(c
         x = x64(5, 4) + step
         model.zero_grad(set_to_none=True)
         twin.zero_grad(set_to_none=True)
+        try:
+            want = fn(eager, x.clone().requires_grad_())
+        except RuntimeError as e:
+            # torch 2.14 refuses BatchNorm's third derivative eagerly: eager's error, compiled.
+            with pytest.raises(RuntimeError, match=re.escape(str(e).splitlines()[0])):
+                fn(m, x.clone().requires_grad_())
+            return
         got = fn(m, x.clone().requires_grad_())
-        want = fn(eager, x.clone().requires_grad_())
         assert_same_grads(got, want, msg=f"step {step}")
         assert_same_grads(tuple(p.grad for p in twin.parameters()), tuple(p.grad for p in model.parameters()),
                           msg=f"step {step}: parameters' grads")
