@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -28,6 +29,15 @@ FALLBACK = {"dynbatch.on_unsupported": "fallback"}
 # What a plain torch.compile(fn, backend="dynbatch") gives a user: Inductor, and a
 # graph dynbatch cannot batch runs eagerly.
 DEFAULTS = {**INDUCTOR, **FALLBACK}
+
+
+def pytest_configure(config):
+    # Under pytest-xdist (the README's ``-n 2``) each worker gets its share of the cores:
+    # two workers at torch's default of one thread per core would each run OpenMP teams
+    # on cores the other is using.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 # The key under which a pytest-xdist worker hands the controller its OpInfo outcomes

@@ -107,7 +107,9 @@ def paths() -> dict[str, int]:
     return {k: v for k, v in dynbatch.counters().items() if k.startswith("outside_") or k == "eager_calls"}
 
 
-@pytest.mark.parametrize("options", [AOT_EAGER, INDUCTOR], ids=["aot_eager", "inductor"])
+# Under Inductor: a minute of compiles (five graphs, two sizes), behind the slow marker.
+@pytest.mark.parametrize("options", [pytest.param(AOT_EAGER, id="aot_eager"),
+                                     pytest.param(INDUCTOR, id="inductor", marks=pytest.mark.slow)])
 def test_forces_outside_a_compiled_model_train_compiled(options):
     eager, twin = models(PairPotential)
     compiled = compile_dynbatch(twin, options=options)

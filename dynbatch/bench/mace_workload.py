@@ -52,7 +52,8 @@ NOT_INSTALLED = "mace-torch is not installed (pip install -e '.[models]')"
 
 # The molecules of the batch, per size tier.
 _MOLECULES = {"quick": ("H2O", "CH4"), "cpu": ("CH3OH", "CH3CH2OH", "H2O"), "cuda": ("CH3OH", "CH3CH2OH", "H2O")}
-_DTYPE = torch.float64
+DTYPE = torch.float64
+Z_TABLE = (1, 6, 8)  # H, C, O
 # call -> (model keyword arguments, what is compared with eager's).
 _CALLS = {
     "training_step": ({"training": True, "compute_force": True}, "the parameter grads"),
@@ -93,52 +94,66 @@ def _import_mace():
     return ase, np, o3, data, modules, tools, mace_compile, torch_geometric
 
 
-def _model(device: torch.device) -> nn.Module:
-    """A 2-interaction MACE over H, C, O (24,096 parameters), as tests/models/test_mace.py's."""
+def make_model(device: torch.device | str = "cpu", seed: int = 0) -> nn.Module:
+    """A 2-interaction MACE over H, C, O (24,096 parameters, float64), built as MACE's own
+    compile helper builds it; the bench's and tests/models/test_mace.py's model."""
     _, np, o3, _, modules, tools, mace_compile, _ = _import_mace()
-    torch.manual_seed(0)  # the same parameters in every column
+    torch.manual_seed(seed)  # the same parameters in every column
     block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
     with mace_compile.disable_e3nn_codegen():
-        model = modules.ScaleShiftMACE(
+        built = modules.ScaleShiftMACE(
             r_max=4.0, num_bessel=6, num_polynomial_cutoff=5, max_ell=2, interaction_cls=block,
             interaction_cls_first=block, num_interactions=2, num_elements=3,
             hidden_irreps=o3.Irreps("8x0e+8x1o"), MLP_irreps=o3.Irreps("8x0e"),
             atomic_energies=np.array([-1.0, -2.0, -3.0]), avg_num_neighbors=6.0,
-            atomic_numbers=tools.AtomicNumberTable([1, 6, 8]).zs, correlation=2, gate=torch.nn.functional.silu,
+            atomic_numbers=tools.AtomicNumberTable(Z_TABLE).zs, correlation=2, gate=torch.nn.functional.silu,
             atomic_inter_scale=1.0, atomic_inter_shift=0.0)
-    return mace_compile.simplify(model).to(device=device, dtype=_DTYPE)
+    return mace_compile.simplify(built).to(device=device, dtype=DTYPE)
 
 
-def _batch(names: tuple[str, ...], device: torch.device) -> dict[str, Any]:
-    """The molecules from ase, shaken (seeded), as one MACE batch."""
+def make_batch(names, device: torch.device | str = "cpu", *, seed: int = 0, box: float | None = None) -> dict[str, Any]:
+    """The molecules from ase, shaken (seeded), as one MACE batch; in a periodic cubic
+    box of side ``box`` if given."""
     ase, np, _, data, _, tools, _, torch_geometric = _import_mace()
-    rng, z_table = np.random.default_rng(0), tools.AtomicNumberTable([1, 6, 8])
+    rng, z_table = np.random.default_rng(seed), tools.AtomicNumberTable(Z_TABLE)
     dataset = []
     for name in names:
         atoms = ase.build.molecule(name)
         atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
+        if box is not None:
+            atoms.set_cell([box, box, box])
+            atoms.set_pbc(True)
+            atoms.center()
         dataset.append(data.AtomicData.from_config(data.config_from_atoms(atoms), z_table=z_table, cutoff=4.0))
     loader = torch_geometric.dataloader.DataLoader(dataset, batch_size=len(dataset), shuffle=False)
-    batch = next(iter(loader)).to_dict()
-    return {k: (v.to(device=device, dtype=_DTYPE) if v.is_floating_point() else v.to(device))
-            if torch.is_tensor(v) else v for k, v in batch.items()}
+    out = next(iter(loader)).to_dict()
+    return {k: (v.to(device=device, dtype=DTYPE) if v.is_floating_point() else v.to(device))
+            if torch.is_tensor(v) else v for k, v in out.items()}
+
+
+def fresh(batch: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the batch with positions requiring grad, as MACE expects of a compiled
+    model's caller (its prepare_graph skips it under torch.compile)."""
+    copy = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+    copy["positions"].requires_grad_(True)
+    return copy
 
 
 def mace(tier: str, device: torch.device, atoms=None) -> list[Problem]:
     """The three problems on the tier's batch (``atoms`` is not used: the batch is molecules)."""
     names = _MOLECULES[tier]
     try:
-        batch = _batch(names, device)
+        batch = make_batch(names, device)
         gen = torch.Generator().manual_seed(34)
         n_atoms = batch["positions"].shape[0]
         label = f"{'+'.join(names)} N={n_atoms} float64"
-        case = Case(label, batch, torch.randn(len(names), generator=gen, dtype=_DTYPE).to(device),
-                    0.1 * torch.randn(n_atoms, 3, generator=gen, dtype=_DTYPE).to(device))
+        case = Case(label, batch, torch.randn(len(names), generator=gen, dtype=DTYPE).to(device),
+                    0.1 * torch.randn(n_atoms, 3, generator=gen, dtype=DTYPE).to(device))
     except VariantUnavailable:
         case = Case(f"{'+'.join(names)} float64", None)
     what = (f"a 2-interaction MACE (hidden irreps 8x0e+8x1o, 24,096 parameters, float64) on {'+'.join(names)}: "
             "model(batch, {}); compared: {}")
-    return [Problem(name=f"mace/{call}", call=call, make_model=lambda: _model(device), cases=(case,),
+    return [Problem(name=f"mace/{call}", call=call, make_model=lambda: make_model(device), cases=(case,),
                     description=what.format(", ".join(f"{k}={v}" for k, v in kwargs.items()), compared)
                     + (", after loss = sum((E - E_ref)^2) + mean((F - F_ref)^2) and loss.backward()"
                        if call == "training_step" else ""))
@@ -156,14 +171,6 @@ def mace_prep() -> contextlib.AbstractContextManager[None]:
     return stock.grad_traced_as_mace_does(functools.partial(mace_compile.configure_autograd_for_compile, True))
 
 
-def _fresh(batch: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the batch with positions requiring grad, as MACE expects of a compiled
-    model's caller (its prepare_graph skips it under torch.compile)."""
-    copy = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
-    copy["positions"].requires_grad_(True)
-    return copy
-
-
 def _program(call: str, model: nn.Module, run: nn.Module) -> Callable[..., torch.Tensor]:
     """``call`` through ``run`` (the model, compiled or not); returns what is compared."""
     kwargs, _ = _CALLS[call]
@@ -172,14 +179,14 @@ def _program(call: str, model: nn.Module, run: nn.Module) -> Callable[..., torch
         def step(batch, e_ref, f_ref):
             for p in params:
                 p.grad = None
-            out = run(_fresh(batch), **kwargs)
+            out = run(fresh(batch), **kwargs)
             loss = ((out["energy"] - e_ref) ** 2).sum() + ((out["forces"] - f_ref) ** 2).mean()
             loss.backward()
             return torch.cat([p.grad.reshape(-1) for p in params])
 
         return step
     key = "hessian" if call == "hessian" else "forces"
-    return lambda batch, e_ref, f_ref: run(_fresh(batch), **kwargs)[key].detach()
+    return lambda batch, e_ref, f_ref: run(fresh(batch), **kwargs)[key].detach()
 
 
 def build(column: str, problem: Problem, device: torch.device) -> Runner:

@@ -1,7 +1,8 @@
 """MACE (mace-torch, e3nn) under dynbatch: inference forces, a training step with forces,
 Hessian rows and stress, each against eager MACE in float64.
 
-The model is built as MACE's own compile helper builds it (``mace.tools.compile``: e3nn's
+The model and batches are the ``mace`` bench workload's (``dynbatch.bench.mace_workload``),
+built as MACE's own compile helper builds it (``mace.tools.compile``: e3nn's
 TorchScript code generation off, e3nn modules simplified with ``torch.fx``; Dynamo cannot
 trace e3nn's scripted modules, stock or dynbatch).  The other half of that helper,
 ``allow_in_graph(torch.autograd.grad)`` with ``trace_autograd_ops=True``, is not used:
@@ -17,65 +18,20 @@ import torch
 import dynbatch
 
 pytest.importorskip("mace", reason="mace-torch is not installed (pip install -e '.[models]')")
-import ase.build  # noqa: E402  (mace-torch depends on ase)
-import numpy as np  # noqa: E402
-from e3nn import o3  # noqa: E402
-from mace import data, modules, tools  # noqa: E402
-from mace.tools import compile as mace_compile  # noqa: E402
-from mace.tools import torch_geometric  # noqa: E402
+from dynbatch.bench.mace_workload import DTYPE, fresh, make_batch, make_model  # noqa: E402
 
 pytestmark = pytest.mark.models
-DTYPE = torch.float64
 CLOSE = {"rtol": 1e-7, "atol": 1e-10}
 
 
-def _mace(seed: int = 0) -> tuple[torch.nn.Module, tools.AtomicNumberTable]:
-    """A 2-interaction MACE over H, C, O (24,096 parameters)."""
-    torch.manual_seed(seed)
-    z_table = tools.AtomicNumberTable([1, 6, 8])
-    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    with mace_compile.disable_e3nn_codegen():
-        model = modules.ScaleShiftMACE(
-            r_max=4.0, num_bessel=6, num_polynomial_cutoff=5, max_ell=2, interaction_cls=block,
-            interaction_cls_first=block, num_interactions=2, num_elements=3,
-            hidden_irreps=o3.Irreps("8x0e+8x1o"), MLP_irreps=o3.Irreps("8x0e"),
-            atomic_energies=np.array([-1.0, -2.0, -3.0]), avg_num_neighbors=6.0, atomic_numbers=z_table.zs,
-            correlation=2, gate=torch.nn.functional.silu, atomic_inter_scale=1.0, atomic_inter_shift=0.0)
-    return mace_compile.simplify(model).to(DTYPE), z_table
-
-
-def _batch(names, z_table, *, box: float | None = None, seed: int = 0) -> dict:
-    """Molecules from ase, shaken; in a periodic box of side ``box`` if given."""
-    rng = np.random.default_rng(seed)
-    configs = []
-    for name in names:
-        atoms = ase.build.molecule(name)
-        atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
-        if box is not None:
-            atoms.set_cell([box, box, box])
-            atoms.set_pbc(True)
-            atoms.center()
-        configs.append(data.config_from_atoms(atoms))
-    dataset = [data.AtomicData.from_config(c, z_table=z_table, cutoff=4.0) for c in configs]
-    loader = torch_geometric.dataloader.DataLoader(dataset, batch_size=len(dataset), shuffle=False)
-    batch = next(iter(loader)).to_dict()
-    return {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
-
-
-def _fresh(batch: dict) -> dict:
-    copy = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
-    copy["positions"].requires_grad_(True)
-    return copy
-
-
 def test_inference_forces(first_call):
-    model, z_table = _mace()
+    model = make_model()
     compiled = torch.compile(model, backend="dynbatch")
     for i, names in enumerate((["CH3OH", "CH3CH2OH", "H2O"], ["CH3OH", "CH3CH2OH", "H2O"], ["H2O", "CH4"])):
-        batch = _batch(names, z_table, seed=i)
+        batch = make_batch(names, seed=i)
         run = first_call if i == 0 else (lambda fn, *args, **kwargs: fn(*args, **kwargs))
-        got = run(compiled, _fresh(batch), training=False, compute_force=True)
-        expected = model(_fresh(batch), training=False, compute_force=True)
+        got = run(compiled, fresh(batch), training=False, compute_force=True)
+        expected = model(fresh(batch), training=False, compute_force=True)
         torch.testing.assert_close(got["energy"], expected["energy"], **CLOSE)
         torch.testing.assert_close(got["forces"], expected["forces"], **CLOSE)
     counts = dynbatch.counters()
@@ -85,13 +41,13 @@ def test_inference_forces(first_call):
 
 
 def test_training_step_with_forces(first_call):
-    model, z_table = _mace()
+    model = make_model()
     compiled = torch.compile(model, backend="dynbatch")
-    batch = _batch(["CH3OH", "CH3CH2OH", "H2O"], z_table)
+    batch = make_batch(["CH3OH", "CH3CH2OH", "H2O"])
 
     def step(m):
         model.zero_grad()
-        out = m(_fresh(batch), training=True, compute_force=True)
+        out = m(fresh(batch), training=True, compute_force=True)
         (out["energy"].pow(2).sum() + 10 * out["forces"].pow(2).sum()).backward()
         return [p.grad.clone() for p in model.parameters()]
 
@@ -103,12 +59,12 @@ def test_training_step_with_forces(first_call):
 
 
 def test_hessian_rows_outside_the_compiled_model(first_call):
-    model, z_table = _mace()
+    model = make_model()
     compiled = torch.compile(model, backend="dynbatch")
-    batch = _batch(["CH3OH"], z_table)
+    batch = make_batch(["CH3OH"])
 
     def hessian(m):
-        inputs = _fresh(batch)
+        inputs = fresh(batch)
         forces = m(inputs, training=True, compute_force=True)["forces"]
         pos = inputs["positions"]
         basis = torch.eye(pos.numel(), dtype=DTYPE).view(-1, *pos.shape)
@@ -121,12 +77,12 @@ def test_hessian_rows_outside_the_compiled_model(first_call):
 def test_own_hessian_is_one_batched_graph(first_call):
     """``compute_hessian=True``: MACE maps its vjp with ``torch.vmap(..., chunk_size=1)``; the
     chunks are not unrolled (one grad per row): the mapped grad is one batched grad."""
-    model, z_table = _mace()
+    model = make_model()
     compiled = torch.compile(model, backend="dynbatch")
-    batch = _batch(["CH4", "H2O"], z_table)
+    batch = make_batch(["CH4", "H2O"])
     kwargs = {"training": False, "compute_force": True, "compute_hessian": True}
-    got = first_call(compiled, _fresh(batch), **kwargs)
-    expected = model(_fresh(batch), **kwargs)
+    got = first_call(compiled, fresh(batch), **kwargs)
+    expected = model(fresh(batch), **kwargs)
     for key in ("energy", "forces", "hessian"):
         torch.testing.assert_close(got[key], expected[key], **CLOSE)
     counts = dynbatch.counters()
@@ -136,12 +92,12 @@ def test_own_hessian_is_one_batched_graph(first_call):
 
 
 def test_stress_of_a_periodic_cell(first_call):
-    model, z_table = _mace()
+    model = make_model()
     compiled = torch.compile(model, backend="dynbatch")
-    batch = _batch(["CH3OH", "H2O"], z_table, box=6.0)
+    batch = make_batch(["CH3OH", "H2O"], box=6.0)
     kwargs = {"training": False, "compute_force": True, "compute_stress": True}
-    got = first_call(compiled, _fresh(batch), **kwargs)
-    expected = model(_fresh(batch), **kwargs)
+    got = first_call(compiled, fresh(batch), **kwargs)
+    expected = model(fresh(batch), **kwargs)
     for key in ("energy", "forces", "stress", "virials"):
         torch.testing.assert_close(got[key], expected[key], **CLOSE)
     assert dynbatch.counters()["graphs"] >= 1 and dynbatch.counters().get("fallbacks", 0) == 0
