@@ -13,7 +13,9 @@ benchmark times; then, in one process and interleaved (measure.interleaved_times
   program replaced by one that returns its last result at once
   (``Region.program_replaced``): Dynamo's frame, its guards, the bytecode
   around the graph and dynbatch's region, what a call of any torch.compile
-  backend pays before its program runs;
+  backend pays before its program runs; where the programs return tensors that
+  require grad (``dynbatch_outside``), each whole call less its programs' time
+  (NOTE [A stack under differentiable outputs]);
 - ``program`` (the same columns): the regions' compiled programs (AOTAutograd's
   and Inductor's wrappers and the kernels), timed inside the whole calls;
 - ``kernels``: on CUDA, the device time of the kernels a call launches and their
@@ -243,7 +245,8 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                 if programs.regions:
                     calls[column]()  # this case's results, for its stack calls
                     sync()
-                    calls[f"{column} stack"] = programs.stack(functools.partial(runner.call, *inputs[i]))
+                    if not programs.differentiable:
+                        calls[f"{column} stack"] = programs.stack(functools.partial(runner.call, *inputs[i]))
             timed = measure.interleaved_times(calls, sync, budget) if calls else {}
             for column in columns:
                 if column in skipped:
@@ -251,14 +254,26 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                     continue
                 runner, _, programs = built[column]
                 whole = _median_us(timed[column]["times_s"])
-                stack = _median_us(timed[f"{column} stack"]["times_s"]) if programs.regions else None
                 program = _median_us(programs.spent) if programs.regions else None
+                if f"{column} stack" in timed:
+                    stack = _median_us(timed[f"{column} stack"]["times_s"])
+                else:  # NOTE [A stack under differentiable outputs]
+                    stack = _median_us([w - p for w, p in zip(programs.wholes, programs.spent)]) \
+                        if programs.regions else None
                 kernel_s, launched = (kernels_per_call(calls[column], sync, device) if runner.torch_tensors
                                       else (None, None))
                 yield [problem.name, case.label, column, _fmt(whole), _fmt(stack), _fmt(program),
                        _fmt(None if kernel_s is None else kernel_s * 1e6), "–" if launched is None else str(launched)]
                 programs.spent.clear()
+                programs.wholes.clear()
 
+
+# NOTE [A stack under differentiable outputs]
+# A region whose outputs require grad (``dynbatch_outside``: the caller differentiates
+# them after the call) cannot return a precomputed result: autograd's graph of that
+# result belongs to an earlier call, and the caller's grad finds its inputs unused.
+# There the stack is measured per whole call instead: the call's seconds less its
+# programs' seconds (median over calls), the same split without a second kind of call.
 
 class Programs:
     """The compiled programs of one column's regions while it is measured: each runs
@@ -268,7 +283,9 @@ class Programs:
     def __init__(self, regions: list) -> None:
         self.regions = regions
         self.precomputed = False
+        self.differentiable = False  # a program returned a tensor that requires grad
         self.spent: list[float] = []  # seconds in the programs, per whole call
+        self.wholes: list[float] = []  # seconds of each whole call, beside spent
         self._in_call = 0.0
         self._results: dict[int, Any] = {}
 
@@ -287,6 +304,8 @@ class Programs:
             result = real(*args)
             self._in_call += time.perf_counter() - start
             self._results[key] = result
+            self.differentiable = self.differentiable or any(
+                isinstance(r, torch.Tensor) and r.requires_grad for r in result)
             return result
 
         return program
@@ -294,8 +313,10 @@ class Programs:
     def whole(self, call: Callable[[], Any]) -> Callable[[], Any]:
         def run():
             self.precomputed, self._in_call = False, 0.0
+            start = time.perf_counter()
             result = call()
             if self.regions:
+                self.wholes.append(time.perf_counter() - start)
                 self.spent.append(self._in_call)
             return result
 
