@@ -10,6 +10,7 @@ other column's (and, for time, over the problem's floor).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -193,9 +194,7 @@ def time_table(results, notes: Footnotes) -> str:
     for problem, case in rows(results):
         base = figure(case, REFERENCE, "median_s")
 
-        def render(case, v, base=base):
-            cell = case["variants"][v]
-            return f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} {fmt_ratio(ratio(cell['median_s'], base))}"
+        render = functools.partial(_median_ms_cell, base=base)
 
         ours = figure(case, OURS, "median_s")
         other, other_value = best_other(case, "median_s")
@@ -225,10 +224,7 @@ def training_table(results, notes: Footnotes) -> str:
         for case in problem["cases"]:
             base = figure(case, training.REFERENCE, "median_s")
 
-            def render(case, v, base=base):
-                cell = case["variants"][v]
-                return (f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} "
-                        f"{fmt_ratio(ratio(cell['median_s'], base))}")
+            render = functools.partial(_median_ms_cell, base=base)
 
             step = figure(case, "dynbatch_step", "median_s")
             extra = [fmt_ratio(ratio(figure(case, c, "median_s"), step)) for c in TRAINING_OURS[:2]]
@@ -265,10 +261,7 @@ def mace_table(results, notes: Footnotes) -> str:
         for case in problem["cases"]:
             base = figure(case, mace_workload.REFERENCE, "median_s")
 
-            def render(case, v, base=base):
-                cell = case["variants"][v]
-                return (f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} "
-                        f"{fmt_ratio(ratio(cell['median_s'], base))}")
+            render = functools.partial(_median_ms_cell, base=base)
 
             each = [" / ".join(fmt(figure(case, c, key)) for c in cols)
                     for key in ("first_call_s", "cores_used", "max_abs_err")]
@@ -308,6 +301,12 @@ def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
                     + ours_cells)
     return table(header, body)
 
+
+
+def _median_ms_cell(case, v, base) -> str:
+    """A column's median ms per call, ± IQR, ×ratio to ``base`` (seconds)."""
+    cell = case["variants"][v]
+    return f"{fmt(cell['median_s'], 1e3)} ±{fmt(cell['iqr_s'], 1e3)} {fmt_ratio(ratio(cell['median_s'], base))}"
 
 def cores_table(results, notes: Footnotes) -> str:
     """Process CPU time over wall time while each cell was timed (older runs: –)."""
