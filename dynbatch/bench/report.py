@@ -303,6 +303,13 @@ def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
 
 
 
+
+def _workload_section(title: str, intro: str, tables: list[str], problems: list, descriptions: dict) -> list[str]:
+    """A section of a workload's own tables, then what each problem and column is."""
+    return [title, intro, *tables,
+            "\n".join(f"- {p['problem']}: {p['description']}" for p in problems),
+            "\n".join(f"- `{k}`: {v}" for k, v in descriptions.items())]
+
 def _median_ms_cell(case, v, base) -> str:
     """A column's median ms per call, ± IQR, ×ratio to ``base`` (seconds)."""
     cell = case["variants"][v]
@@ -397,25 +404,19 @@ def markdown(results: dict[str, Any]) -> str:
     if results["problems"]:
         parts += _batched_sections(results, meta, notes)
     if results.get("training"):
-        parts += [
+        parts += _workload_section(
             "## Training with forces (force_training)",
             "Median time per training step, ± interquartile range, in ms; ×ratio to `eager`; the "
             "dynbatch columns over `dynbatch_step` (the whole step compiled), and that over JAX.",
-            training_table(results, notes),
-            "Cores used while timed / max abs error of the parameter grads against eager:",
-            training_cores_and_errors(results),
-            "\n".join(f"- {p['problem']}: {p['description']}" for p in results["training"]),
-            "\n".join(f"- `{k}`: {v}" for k, v in training.DESCRIPTIONS.items()),
-        ]
+            [training_table(results, notes), "Cores used while timed / max abs error of the parameter grads "
+             "against eager:", training_cores_and_errors(results)],
+            results["training"], training.DESCRIPTIONS)
     if results.get("mace"):
-        parts += [
+        parts += _workload_section(
             "## A real model (mace)",
             "Median time per call, ± interquartile range, in ms; ×ratio to `eager`; then per column the "
             "first call (compile included), the cores used while timed and the max abs error against eager.",
-            mace_table(results, notes),
-            "\n".join(f"- {p['problem']}: {p['description']}" for p in results["mace"]),
-            "\n".join(f"- `{k}`: {v}" for k, v in mace_workload.DESCRIPTIONS.items()),
-        ]
+            [mace_table(results, notes)], results["mace"], mace_workload.DESCRIPTIONS)
     if notes.notes:
         parts += ["## Notes", notes.markdown()]
     if results["problems"]:
