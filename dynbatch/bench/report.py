@@ -310,6 +310,7 @@ def _workload_section(title: str, intro: str, tables: list[str], problems: list,
             "\n".join(f"- {p['problem']}: {p['description']}" for p in problems),
             "\n".join(f"- `{k}`: {v}" for k, v in descriptions.items())]
 
+
 def _median_ms_cell(case, v, base) -> str:
     """A column's median ms per call, ± IQR, ×ratio to ``base`` (seconds)."""
     cell = case["variants"][v]
