@@ -402,6 +402,31 @@ def is_symbolic(size: Any) -> bool:
     return bool(getattr(size, "free_symbols", None))
 
 
+def inductor_inline_limits(device: str) -> tuple[int, int]:
+    """The ops and loads of a pointwise body above which Inductor stores it instead of
+    inlining it (ir.py ``has_large_inner_fn``, ``has_exceeded_max_reads``); torch 2.13
+    added CPU defaults, with None meaning "the device's"."""
+    from torch._inductor import config as c
+
+    ops, reads = c.realize_opcount_threshold, c.realize_acc_reads_threshold
+    cpu = device == "cpu"
+    if ops is None:
+        ops = c.realize_cpu_opcount_threshold if cpu else c._realize_opcount_threshold_default
+    if reads is None:
+        reads = c.realize_cpu_acc_reads_threshold if cpu else c._realize_acc_reads_threshold_default
+    return ops, reads
+
+
+def raise_inductor_inline_limits(device: str, ops: int, reads: int) -> None:
+    """At least ``ops`` and ``reads`` (inductor_inline_limits) for the graph being
+    compiled: the caller's config patch restores them."""
+    from torch._inductor import config as c
+
+    current_ops, current_reads = inductor_inline_limits(device)
+    c.realize_opcount_threshold = max(current_ops, ops)
+    c.realize_acc_reads_threshold = max(current_reads, reads)
+
+
 def inductor_patterns_registered(device: torch.device | None) -> None:
     """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
     compile, otherwise), with both vmaps set aside: it traces example functions."""
@@ -556,6 +581,13 @@ def in_tracing_context(context: Any) -> Iterator[None]:
 
     with tracing(context):
         yield
+
+
+def size_hint(size: Any) -> int | None:
+    """An int, or a SymInt's value in the example inputs (None for one without)."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint) if size.node.has_hint() else None
+    return int(size)
 
 
 def backed_hints(shape_env: Any) -> dict:

@@ -126,11 +126,18 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
     # copies of the primal: compute them once (passes.sink_expands); scatters into
     # expanded tensors get storage of their own (passes.clone_overlapping_scatter_targets);
+    # a large pointwise tensor several kernels read is recomputed in each where that costs
+    # less than storing it (recompute.py);
     # tall CPU products take the kernel measured fastest (passes.route_matmuls).  A pass
     # the user brought replaces the speed passes, not the one that keeps values right.
     users = config_patches.get("post_grad_custom_pre_pass",
                                _compat.inductor_config_value("post_grad_custom_pre_pass"))
-    config_patches["post_grad_custom_pre_pass"] = passes.PostGradPasses(cpu_matmul, users_pass=users)
+    config_patches["post_grad_custom_pre_pass"] = passes.PostGradPasses(cpu_matmul, users_pass=users,
+                                                                        recompute_mode=options.recompute)
+    # The recompute pass raises Inductor's inline limits for the graph it copied chains in
+    # (NOTE [Copies Inductor inlines]): patched here, so the raise ends with this compile.
+    for name in ("realize_opcount_threshold", "realize_acc_reads_threshold"):
+        config_patches.setdefault(name, _compat.inductor_config_value(name))
     return _compat.compile_fx(
         gm,
         example_inputs,

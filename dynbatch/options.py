@@ -16,6 +16,7 @@ from .matmul_kernels import CHOICES as CPU_MATMUL
 PREFIX = "dynbatch."
 INNER_COMPILERS = ("inductor", "aot_eager")
 ON_UNSUPPORTED = ("fallback", "error")
+RECOMPUTE = ("auto", "always", "never")
 
 
 
@@ -43,6 +44,10 @@ class Options:
     # Run each compiled graph's first call eagerly too and compare; on a mismatch, run
     # that graph eagerly from then on, with the reason logged (verify.py).
     verify: bool = False
+    # Store a large pointwise tensor read by several kernels, or recompute it in each
+    # (recompute.py, NOTE [Store or recompute]): "auto" (a cost model per device),
+    # "always" (wherever Inductor would inline the copies), "never".
+    recompute: str = "auto"
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -66,6 +71,7 @@ class Options:
         _check_choice("inner_compiler", ours.get("inner_compiler", "inductor"), INNER_COMPILERS)
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
         _check_choice("cpu_matmul", ours.get("cpu_matmul", "auto"), CPU_MATMUL)
+        _check_choice("recompute", ours.get("recompute", "auto"), RECOMPUTE)
         for flag in ("record_graphs", "verify"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")

@@ -1,4 +1,5 @@
-"""Aten-graph passes run before Inductor lowers dynbatch's batched graph (stage 4, lowering)."""
+"""Aten-graph passes run before Inductor lowers dynbatch's batched graph (stage 4, lowering);
+the store-or-recompute pass has a module of its own (recompute.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import _compat, fx_utils, matmul_kernels
+from . import _compat, fx_utils, matmul_kernels, recompute
 
 aten = torch.ops.aten
 
@@ -196,12 +197,14 @@ def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
 
 class PostGradPasses(_compat.custom_graph_pass_base()):
     """dynbatch's aten passes as an Inductor ``post_grad_custom_pre_pass``: sink_expands,
-    clone_overlapping_scatter_targets, route_matmuls (uuid keys the FX cache).  With a
-    pass of the user's, only the clones run, then the user's pass."""
+    recompute.recompute_fanouts, clone_overlapping_scatter_targets, route_matmuls (uuid
+    keys the FX cache).  With a pass of the user's, only the clones run, then the user's pass."""
 
-    def __init__(self, cpu_matmul: str = "auto", users_pass: Callable | None = None) -> None:
+    def __init__(self, cpu_matmul: str = "auto", users_pass: Callable | None = None,
+                 recompute_mode: str = "auto") -> None:
         self.cpu_matmul = cpu_matmul
         self.users_pass = users_pass
+        self.recompute_mode = recompute_mode
         if cpu_matmul != "aten" and users_pass is None:
             # Registered now, not when the pass runs: a graph loaded from Inductor's
             # FX cache calls the kernel without this pass having run in this process.
@@ -213,8 +216,10 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
             self.counts = {"clone_overlapping_scatter_targets": clone_overlapping_scatter_targets(graph)}
             self.users_pass(graph)
             return
-        # The clones after sink_expands, which would move a clone (pointwise) past its expand.
+        # The copies after sink_expands (whose B-free factors they then read, not copy);
+        # the clones after sink_expands, which would move a clone (pointwise) past its expand.
         self.counts = {"sink_expands": sink_expands(graph),
+                       "recompute_fanouts": recompute.inline_copies(graph, self.recompute_mode),
                        "clone_overlapping_scatter_targets": clone_overlapping_scatter_targets(graph),
                        "route_matmuls": route_matmuls(graph, self.cpu_matmul)}
 
@@ -226,4 +231,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         if self.users_pass is not None:
             users = getattr(self.users_pass, "uuid", None)
             return None if users is None else (ours, users())  # None: Inductor does not cache
-        return f"{ours}+sink-expands-v3+matmuls-v5-{self.cpu_matmul}"
+        return f"{ours}+sink-expands-v3+recompute-v1-{self.recompute_mode}+matmuls-v5-{self.cpu_matmul}"

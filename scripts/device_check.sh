@@ -18,6 +18,9 @@
 #       `python -m dynbatch.bench overhead` (OVERHEAD_ARGS replaces its arguments, e.g.
 #       "--workloads hessian,sweep --variants compiled_func,dynbatch,dynbatch_outside", or
 #       "--workloads force_training" for a training step's programs and the rest).
+#   PHASES="ab": `python -m dynbatch.bench ab` on CUDA, AB_SETTING (default
+#       dynbatch.recompute=never,auto: store or recompute, docs/design.md) over
+#       AB_WORKLOADS (default full_hessian,lj_forces,hessian), AB_TIMEOUT (default 420) s.
 #   PHASES="bench tests": both, in that order.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -61,6 +64,13 @@ for phase in ${PHASES:-bench}; do
       timeout "$OVERHEAD_TIMEOUT" python3 -m dynbatch.bench overhead --device "$DEVICE" \
         ${OVERHEAD_ARGS:---batch-sizes 1,4,16} >> "$LOG" 2>&1
     fi
+    ;;
+  ab)
+    section "ab ${AB_SETTING:-dynbatch.recompute=never,auto}"
+    timeout "${AB_TIMEOUT:-420}" python3 -m dynbatch.bench ab "${AB_SETTING:-dynbatch.recompute=never,auto}" \
+      --device "$DEVICE" --min-time 0.1 --workloads "${AB_WORKLOADS:-full_hessian,lj_forces,hessian}" >> "$LOG" 2>&1
+    echo "ab exit $?" >> "$LOG"
+    tail -40 "$LOG"
     ;;
   bench)
     section bench

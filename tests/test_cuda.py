@@ -451,3 +451,25 @@ def test_a_b_sweep_across_the_budget_keeps_one_dynamic_graph_on_cuda(mode):
     c = dynbatch.counters()
     assert c["graphs"] == 2 and c.get("grads_chunked") == 1 and not c.get("fallbacks"), c
     assert peak <= 1.25 * budget + 180 * 60 * 3 * 4, peak
+
+
+def test_lennard_jones_pair_forces_are_recomputed_not_stored():
+    """On a GPU the store-or-recompute cost model (recompute.py) gives each reduction of
+    the [B, N, N, 3] pair forces its own copy: no such buffer is allocated ("never":
+    Inductor's own choice, one is)."""
+    from test_recompute import lj_hessian_rows, pair_buffers
+
+    rows, pos, V = lj_hessian_rows("cuda")
+    expected = rows(pos, V)
+    codes = {}
+    for mode in ("never", "auto"):
+        torch._dynamo.reset()
+        dynbatch.reset()
+        compiled = torch.compile(rows, backend="dynbatch", fullgraph=True, options={"dynbatch.recompute": mode})
+        result, code = run_and_get_code(compiled, pos, V)
+        assert_backend_ran(graphs=1, batched=1)
+        assert_same_grads(result, expected, atol=1e-4, rtol=1e-4)
+        codes[mode] = "\n".join(code)
+    assert pair_buffers(codes["never"])
+    assert pair_buffers(codes["auto"]) == []
+

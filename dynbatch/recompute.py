@@ -1,0 +1,276 @@
+"""Store or recompute: each consumer of a large, cheap pointwise tensor gets its own copy.
+
+An aten pass of stage 4 (lowering), run with passes.py's before Inductor lowers the graph.
+
+NOTE [Store or recompute]
+A batched backward of a pair potential builds a ``[B, N, N, 3]`` tensor of pair terms
+from small inputs (positions ``[N, 3]``, cotangents ``[B, N, 3]``, a ``[B, N, N]``
+factor) and reduces it twice: over i and over j.  Inductor inlines a pointwise node
+into each of its users unless the node is read by more than one kernel and its body
+reads more than ``realize_reads_threshold`` buffers or is long: then it is written
+once and read back by each reduction, three passes over the largest tensor of the
+graph, where the inputs it is computed from are a third of its size or less.  XLA's
+priority fusion duplicates such a producer into every consuming fusion instead
+(xla/service/gpu/transforms/priority_fusion.cc).
+
+This pass makes that choice per node, by a cost model: per element of the tensor,
+storing costs one write and k reads (k users), recomputing costs k - 1 more
+evaluations of the chain (its flops at the device's bytes-per-flop) and k reads of
+the chain's own inputs.  Where recomputing wins, every user but the first gets a copy
+of the chain (the pointwise and view nodes back to non-pointwise nodes, graph inputs
+and tensors much smaller than the result), so each of Inductor's kernels computes
+the tensor in its own loop.  A copy Inductor would realize anyway (a body over its
+``realize_*`` thresholds) would only add stores, so such chains stay.  Random ops are
+never copied: a copy would draw other numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import _compat, fx_utils
+
+log = logging.getLogger("dynbatch")
+aten = torch.ops.aten
+
+# Ops Inductor lowers to views of their input: free to copy, no kernel of their own.
+VIEWS = frozenset({
+    aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.t.default, aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.alias.default,
+})
+# Reductions Inductor fuses their pointwise input into (a loop over the reduced dims).
+REDUCTIONS = frozenset({
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default, aten.amin.default,
+    aten.prod.dim_int, aten.var.correction,
+})
+# Pointwise ops that cost more than one arithmetic op (special-function units on a GPU,
+# polynomial approximations in Inductor's vectorised C++), in flops of plain arithmetic.
+TRANSCENDENTAL_FLOPS = 8
+TRANSCENDENTAL = frozenset({
+    aten.exp.default, aten.log.default, aten.tanh.default, aten.sigmoid.default, aten.sqrt.default,
+    aten.rsqrt.default, aten.sin.default, aten.cos.default, aten.erf.default, aten.pow.Tensor_Tensor,
+    aten.log1p.default, aten.expm1.default, aten.atan2.default, aten.reciprocal.default,
+})
+# Inputs of a chain smaller than this fraction of its result are read, not copied: a
+# broadcast [N, N] factor of a [B, N, N, 3] tensor is loaded, not recomputed B times.
+SMALL_FRACTION = 4
+# The copies may add at most this many nodes per node of the graph (a bound on compile time).
+MAX_GROWTH = 1.0
+# A copy's body may reach this multiple of Inductor's inline limits (NOTE [Copies Inductor inlines]).
+LIMITS_RAISE = 3
+
+# NOTE [Copies Inductor inlines]
+# Inductor stores a pointwise body whose ops or loads exceed ``realize_opcount_threshold``
+# or ``realize_acc_reads_threshold`` (30 and 8 on a GPU; from torch 2.13, 50 and 12 on
+# the CPU), whatever its users: a copy over them would be stored once per copy.  The
+# pass copies chains up to LIMITS_RAISE times those limits, and a graph where it copied
+# one is lowered with the limits raised to its largest copy -- for that graph only:
+# lowering.py patches both settings around each compile, so the raise ends with it.
+# A copy's body is estimated as Inductor builds it, from above: the chain, the small
+# pointwise nodes Inductor inlines with it, an op per constant and per input read.
+# The Lennard-Jones pair forces (47 ops and 6 loads in Inductor's count, 64 and 11 in
+# this one) fit the CPU's limits; on a GPU Inductor stores them even with one user.
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCost:
+    """What a flop costs against a byte moved, on one kind of device."""
+
+    bytes_per_flop: float  # bytes the memory system moves in the time of one fp32 flop
+
+
+# H100 / H200 SXM: 3.35-4.8 TB/s of HBM against 67 TFLOP/s of fp32 (not tensor-core)
+# math: a flop costs the time of 0.05-0.07 bytes.
+#
+# No CPU entry: on the CPU "auto" leaves the choice to Inductor.  On one core of this
+# project's 2-core AMD EPYC (Zen 3), recomputing wherever Inductor would inline the
+# copies gained nothing consistent: `python -m dynbatch.bench ab dynbatch.recompute=never,always
+# --workloads full_hessian,lj_forces,pinn --threads 1` read x0.88-1.03, the force-training
+# step x0.86-1.02 (docs/benchmarks.md).  dynbatch's CPU chunks (memory.CPU_AUTO_BUDGET)
+# keep a stored tensor in cache, where reading it back is cheap.
+COSTS = {"cuda": DeviceCost(bytes_per_flop=0.07)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The nodes a tensor is computed from that a copy repeats, inputs first."""
+
+    nodes: list[torch.fx.Node]
+    flops: int  # per element of the result, one evaluation
+    input_bytes: float  # bytes of the chain's inputs read per element of the result
+    ops: int  # Inductor's count of the copy's body, about: its ops, constants and loads
+    reads: int  # the chain's inputs: the loads of the copy's body, about
+
+
+def _numel_hint(node: Any) -> int | None:
+    val = getattr(node, "meta", {}).get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return _compat.size_hint(val.numel())
+
+
+def _copyable(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and not fx_utils.draws_random_numbers(node)
+            and (fx_utils.is_pointwise(node) or node.target in VIEWS)
+            and isinstance(node.meta.get("val"), torch.Tensor))
+
+
+def _consumers_fuse(node: torch.fx.Node) -> bool:
+    """Every user (through views) is a kernel Inductor can inline ``node`` into: a pointwise
+    op or a reduction.  A graph output, a product or a scatter needs it stored anyway."""
+    for user in node.users:
+        if user.op != "call_function" or fx_utils.draws_random_numbers(user):
+            return False
+        if user.target in VIEWS:
+            if not _consumers_fuse(user):
+                return False
+        elif not (fx_utils.is_pointwise(user) or user.target in REDUCTIONS):
+            return False
+    return True
+
+
+def _chain(root: torch.fx.Node) -> Chain | None:
+    """The copyable ancestors of ``root`` at least 1/SMALL_FRACTION of its size; smaller
+    ones, and what is not pointwise, are the chain's inputs (read, not copied)."""
+    size = _numel_hint(root)
+    if not size:
+        return None
+    nodes, inputs = _walk(root, lambda node: (_numel_hint(node) or 0) * SMALL_FRACTION >= size)
+    if any(_numel_hint(a) is None for a in inputs):
+        return None  # an unbacked size: no cost to weigh
+    flops = sum(TRANSCENDENTAL_FLOPS if n.target in TRANSCENDENTAL else 1 for n in nodes if n.target not in VIEWS)
+    input_bytes = sum(_numel_hint(a) * a.meta["val"].element_size() for a in inputs) / size
+    # Inductor inlines the small pointwise inputs too: the copy's body reaches back to
+    # what is stored (graph inputs, reductions, products), as the original's does.
+    body, loads = _walk(root, lambda node: True)
+    ops = len(loads) + sum(1 + sum(not isinstance(a, torch.fx.Node) for a in n.args)  # op and constants
+                           for n in body if n.target not in VIEWS)
+    return Chain(_inputs_first(root, set(nodes)), flops, input_bytes, ops, len(loads))
+
+
+def _walk(root: torch.fx.Node, follow) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+    """(``root`` and its copyable ancestors that ``follow`` accepts, the tensors they read
+    that are not among them).  Size arguments (SymInt nodes) are neither."""
+    nodes, stack, seen, inputs = [], [root], {root}, set()
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        for arg in node.all_input_nodes:
+            if arg in seen or not isinstance(arg.meta.get("val"), torch.Tensor):
+                continue
+            seen.add(arg)
+            if _copyable(arg) and follow(arg):
+                stack.append(arg)
+            else:
+                inputs.add(arg)
+    return nodes, inputs
+
+
+def _inputs_first(root: torch.fx.Node, members: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``members`` in an order that defines each before its users (copies made earlier in
+    the pass are not in the graph's original order)."""
+    ordered, done, stack = [], set(), [(root, False)]
+    while stack:
+        node, inputs_done = stack.pop()
+        if inputs_done:
+            ordered.append(node)
+            continue
+        if node in done:
+            continue
+        done.add(node)
+        stack.append((node, True))
+        stack.extend((arg, False) for arg in node.all_input_nodes if arg in members and arg not in done)
+    return ordered
+
+
+@dataclasses.dataclass
+class Recomputed:
+    """What :func:`recompute_fanouts` did: tensors split, and the largest copy's body."""
+
+    count: int = 0
+    ops: int = 0
+    reads: int = 0
+
+
+def recompute_pays(chain: Chain, users: int, itemsize: int, cost: DeviceCost) -> bool:
+    """Per element of the result: k evaluations (and k reads of the chain's inputs) cost
+    less than one evaluation, a store and k loads."""
+    store = chain.flops * cost.bytes_per_flop + chain.input_bytes + itemsize * (1 + users)
+    recompute = users * (chain.flops * cost.bytes_per_flop + chain.input_bytes)
+    return recompute < store
+
+
+def _copy(graph: torch.fx.Graph, chain: Chain, before: torch.fx.Node) -> torch.fx.Node:
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    with graph.inserting_before(before):
+        for node in chain.nodes:
+            copies[node] = graph.node_copy(node, lambda arg: copies.get(arg, arg))
+    return copies[chain.nodes[-1]]
+
+
+def recompute_fanouts(graph: torch.fx.Graph, mode: str = "auto", device: str | None = None,
+                      limits: tuple[int, int] | None = None) -> Recomputed:
+    """Give each user of a large pointwise tensor its own copy of the tensor's chain where
+    recomputing costs less than storing (NOTE [Store or recompute]).  ``mode``: "auto"
+    (the cost model of ``device``'s kind; none on the CPU, see COSTS), "always" (wherever
+    the copies fit ``limits``), "never".  ``limits``: the ops and loads a copy's body may have (default: Inductor's
+    inline limits; NOTE [Copies Inductor inlines])."""
+    done = Recomputed()
+    device = device or _graph_device(graph)
+    cost = COSTS.get(device)
+    if mode == "never" or device is None or (mode == "auto" and cost is None):
+        return done
+    max_ops, max_reads = limits or _compat.inductor_inline_limits(device)
+    budget = int(MAX_GROWTH * len(graph.nodes))
+    # In graph order, each node with the users it had: a chain's copies give its inputs
+    # more users, and splitting those too would copy what every copy already recomputes.
+    for root in list(graph.nodes):
+        users = list(root.users)
+        if len(users) < 2 or not _copyable(root) or root.target in VIEWS or not _consumers_fuse(root):
+            continue
+        chain = _chain(root)
+        itemsize = root.meta["val"].element_size()
+        # Only a tensor larger than what it is computed from: else storing it is as cheap.
+        if chain is None or chain.input_bytes >= itemsize or chain.ops > max_ops or chain.reads > max_reads:
+            continue
+        extra = (len(users) - 1) * len(chain.nodes)
+        if extra > budget:
+            continue
+        if mode == "auto" and not recompute_pays(chain, len(users), itemsize, cost):
+            continue
+        for user in users[1:]:
+            user.replace_input_with(root, _copy(graph, chain, before=user))
+        budget -= extra
+        done.count += 1
+        done.ops, done.reads = max(done.ops, chain.ops), max(done.reads, chain.reads)
+        log.debug("dynbatch: %s recomputed for each of its %d users (%d nodes, %d flops per element)",
+                  root.name, len(users), len(chain.nodes), chain.flops)
+    return done
+
+
+def inline_copies(graph: torch.fx.Graph, mode: str = "auto") -> int:
+    """:func:`recompute_fanouts` as lowering runs it: copies up to LIMITS_RAISE times
+    Inductor's inline limits, which are then raised to the largest copy's for this
+    graph (NOTE [Copies Inductor inlines])."""
+    device = _graph_device(graph)
+    if device is None:
+        return 0
+    limits = tuple(LIMITS_RAISE * limit for limit in _compat.inductor_inline_limits(device))
+    done = recompute_fanouts(graph, mode, device, limits)
+    if done.count:
+        _compat.raise_inductor_inline_limits(device, done.ops, done.reads)
+    return done.count
+
+
+def _graph_device(graph: torch.fx.Graph) -> str | None:
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return None

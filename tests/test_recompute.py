@@ -1,0 +1,151 @@
+"""Store or recompute (recompute.py): each reduction of a large, cheap pointwise tensor
+computes it in its own loop where the cost model says so; values never change."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.fx
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import dynbatch
+from dynbatch import fx_utils, recompute
+from dynbatch.bench import workloads
+from dynbatch.graph_text import graph_text
+from conftest import INDUCTOR, assert_backend_ran, assert_same_grads, compile_dynbatch
+from snapshot import assert_snapshot
+
+aten = torch.ops.aten
+
+
+def pair_forces(pos, V):
+    """The shape of a pair potential's batched backward: a [B, N, N, 3] tensor of pair
+    terms from positions [N, 3] and cotangents [B, N, 3], reduced over i and over j."""
+    n = pos.shape[0]
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+    inv = ((diff * diff).sum(-1) + torch.eye(n)).pow(-4).unsqueeze(-1)
+    dv = V.unsqueeze(2) - V.unsqueeze(1)
+    pair = dv * inv + diff * inv * 3.0
+    return pair.sum(1) - pair.sum(2)
+
+
+def _traced(fn, *args, mode="symbolic"):
+    return make_fx(fn, tracing_mode=mode)(*args)
+
+
+def _users(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def _inputs():
+    return torch.randn(6, 3), torch.randn(18, 6, 3)
+
+
+def test_each_reduction_gets_its_own_copy_and_values_stay():
+    pos, V = _inputs()
+    gm = _traced(pair_forces, pos, V)
+    before = graph_text(gm, "before")
+    done = recompute.recompute_fanouts(gm.graph, "always", "cpu", limits=(100, 20))
+    gm.recompile()
+    assert done.count >= 1
+    # no [B, N, N, 3] tensor is read by two nodes any more: each reduction has its own
+    pairs = [n for n in gm.graph.nodes if fx_utils.is_pointwise(n) and n.meta["val"].dim() == 4]
+    assert pairs and all(len(n.users) == 1 for n in pairs), [(n.name, len(n.users)) for n in pairs]
+    torch.testing.assert_close(gm(pos, V), pair_forces(pos, V))
+    assert_snapshot("recompute_pair_forces", before + graph_text(gm, "after"))
+
+
+def test_the_gpu_cost_model_recomputes_cheap_chains_and_stores_costly_ones():
+    """HBM bytes cost ~14 flops: the Lennard-Jones pair forces (17 flops from 2.8 bytes of
+    inputs per element, read twice) are recomputed, 20 transcendental ops are not."""
+    lj = recompute.Chain([], flops=17, input_bytes=2.8, ops=47, reads=6)
+    costly = dataclasses.replace(lj, flops=20 * recompute.TRANSCENDENTAL_FLOPS)
+    gpu = recompute.COSTS["cuda"]
+    assert recompute.recompute_pays(lj, 2, 4, gpu) and not recompute.recompute_pays(costly, 2, 4, gpu)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_auto_splits_the_pair_tensor_on_a_gpu_and_leaves_the_cpu_to_inductor(device):
+    pos, V = _inputs()
+    gm = _traced(pair_forces, pos, V)
+    count = recompute.recompute_fanouts(gm.graph, "auto", device, limits=(100, 20)).count
+    gm.recompile()
+    pairs = [n for n in gm.graph.nodes if fx_utils.is_pointwise(n) and n.meta["val"].dim() == 4]
+    if device == "cuda":
+        assert count >= 1 and all(len(n.users) == 1 for n in pairs)
+    else:
+        assert count == 0 and max(len(n.users) for n in pairs) == 2
+    torch.testing.assert_close(gm(pos, V), pair_forces(pos, V))
+
+
+def test_small_tensors_random_ops_outputs_and_products_are_left_stored():
+    def fans_out(x, w):
+        y = torch.tanh(x) * 2  # as large as its input: storing it costs no more
+        noisy = torch.bernoulli(torch.sigmoid(x.unsqueeze(0).expand(4, *x.shape)))  # random: one draw
+        big = noisy * x  # [4, N, N]
+        return y.sum(0) + y.sum(1), big.sum((0, 1)) + big.sum((0, 2)), big, (big * 3) @ w
+
+    args = torch.randn(5, 5), torch.randn(5, 2)
+    gm = _traced(fans_out, *args, mode="fake")
+    count = len(gm.graph.nodes)
+    assert recompute.recompute_fanouts(gm.graph, "always", "cpu", limits=(100, 20)).count == 0
+    assert len(gm.graph.nodes) == count
+    assert len(_users(gm, aten.bernoulli.default)) == 1
+
+
+def test_copies_over_the_limits_stay_stored():
+    pos, V = _inputs()
+    gm = _traced(pair_forces, pos, V)
+    assert recompute.recompute_fanouts(gm.graph, "always", "cpu", limits=(1, 20)).count == 0  # an op and a load
+    assert recompute.recompute_fanouts(gm.graph, "always", "cpu", limits=(100, 0)).count == 0
+    assert recompute.recompute_fanouts(gm.graph, "never", "cpu", limits=(100, 20)).count == 0
+
+
+# --- through dynbatch and Inductor --------------------------------------------------
+
+def lj_hessian_rows(device="cpu"):
+    """Rows of a Lennard-Jones Hessian (the bench's full_hessian/lj), N = 6, B = 18."""
+    (problem,) = [p for p in workloads.full_hessian("quick", None, device) if p.name == "full_hessian/lj"]
+    pos = workloads._lattice(6, torch.Generator().manual_seed(0)).to(device)
+
+    def rows(pos, V):
+        pos = pos.detach().requires_grad_()
+        forces = problem.f(pos)
+        return torch.autograd.grad(forces, pos, V, is_grads_batched=True)[0]
+
+    return rows, pos, workloads._hessian_basis(6, device)
+
+
+def pair_buffers(code: str) -> list[str]:
+    """Buffers the generated code allocates with the [B, N, N, 3] shape (B = 18, N = 6)."""
+    return re.findall(r"empty_strided_c(?:pu|uda)\(\(18, 6, 6, 3\)", code)
+
+
+@pytest.mark.parametrize("inline_limits", ["cpu", "gpu"])
+def test_lennard_jones_hessian_rows_never_store_the_pair_tensor(inline_limits):
+    """dynbatch.recompute="always" removes the stored [B, N, N, 3] pair forces ("never"
+    keeps them); under a GPU's lower inline limits the graph's own limits are raised for
+    this compile and restored after it."""
+    rows, pos, V = lj_hessian_rows()
+    expected = rows(pos, V)
+    limits = {"cpu": {}, "gpu": {"realize_opcount_threshold": 30, "realize_acc_reads_threshold": 8}}[inline_limits]
+    modes = ("never", "always") if inline_limits == "cpu" else ("always",)
+    codes = {}
+    with inductor_config.patch({"fx_graph_cache": False, **limits}):
+        for mode in modes:
+            torch._dynamo.reset()
+            dynbatch.reset()
+            compiled = compile_dynbatch(rows, options={**INDUCTOR, "dynbatch.recompute": mode})
+            result, code = run_and_get_code(compiled, pos, V)
+            assert_backend_ran(graphs=1, batched=1)
+            assert_same_grads(result, expected, msg=mode)
+            codes[mode] = "\n".join(code)
+        assert {k: getattr(inductor_config, k) for k in limits} == limits  # the raise ended with the compile
+    if "never" in codes:
+        assert pair_buffers(codes["never"])
+    assert pair_buffers(codes["always"]) == []
