@@ -49,6 +49,10 @@ REDUCTIONS = frozenset({
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default, aten.amin.default,
     aten.prod.dim_int, aten.var.correction,
 })
+# Ops whose loop reads one argument through indices, by its position: Inductor inlines a
+# pointwise producer of the values a scatter adds (a message-passing potential's [B, E, F]
+# edge terms) or of the tensor a gather reads -- never of a scatter's target, which it writes.
+INDEXED = {aten.index_put.default: 2, aten._unsafe_index_put.default: 2, aten.index.Tensor: 0}
 # Pointwise ops that cost more than one arithmetic op (special-function units on a GPU,
 # polynomial approximations in Inductor's vectorised C++), in flops of plain arithmetic.
 TRANSCENDENTAL_FLOPS = 8
@@ -123,16 +127,24 @@ def _copyable(node: torch.fx.Node) -> bool:
 
 def _consumers_fuse(node: torch.fx.Node) -> bool:
     """Every user (through views) is a kernel Inductor can inline ``node`` into: a pointwise
-    op or a reduction.  A graph output, a product or a scatter needs it stored anyway."""
+    op, a reduction, the values of a scatter.  A graph output, a product or the target of a
+    scatter needs it stored anyway."""
     for user in node.users:
         if user.op != "call_function" or fx_utils.draws_random_numbers(user):
             return False
         if user.target in VIEWS:
             if not _consumers_fuse(user):
                 return False
+        elif user.target in INDEXED:
+            if [i for i, arg in enumerate(user.args) if _holds(arg, node)] != [INDEXED[user.target]]:
+                return False
         elif not (fx_utils.is_pointwise(user) or user.target in REDUCTIONS):
             return False
     return True
+
+
+def _holds(arg: Any, node: torch.fx.Node) -> bool:
+    return arg is node or (isinstance(arg, (list, tuple)) and any(a is node for a in arg))
 
 
 def _chain(root: torch.fx.Node) -> Chain | None:

@@ -83,6 +83,26 @@ def test_auto_splits_the_pair_tensor_on_a_gpu_and_leaves_the_cpu_to_inductor(dev
     torch.testing.assert_close(gm(pos, V), pair_forces(pos, V))
 
 
+def test_edge_terms_a_scatter_adds_are_recomputed_in_its_loop_but_its_target_is_not():
+    """A message-passing potential's [B, E, F] edge terms, summed and scattered to atoms
+    (index_add decomposes to an accumulating index_put)."""
+
+    def messages(h, w, src, dst):  # h [N, F], w [B, E]
+        terms = w.unsqueeze(-1) * h[src] * 2.0  # [B, E, F] from [B, E] and a gather of [N, F]
+        target = torch.zeros(w.shape[0], h.shape[0], h.shape[1]) + terms.sum((1, 2), keepdim=True)
+        return terms.sum(1), aten.index_put(target, [None, dst], terms, True), target.sum()
+
+    h, w = torch.randn(5, 4), torch.randn(3, 12)
+    src, dst = torch.randint(0, 5, (12,)), torch.randint(0, 5, (12,))
+    gm = _traced(messages, h, w, src, dst, mode="fake")
+    assert recompute.recompute_fanouts(gm.graph, "auto", "cuda", limits=(100, 20)).count >= 1
+    gm.recompile()
+    (scatter,) = _users(gm, aten.index_put.default)
+    assert len(scatter.args[2].users) == 1  # its own copy of the edge terms
+    assert len(scatter.args[0].users) == 2  # the target it writes: stored
+    torch.testing.assert_close(gm(h, w, src, dst), messages(h, w, src, dst))
+
+
 def test_small_tensors_random_ops_outputs_and_products_are_left_stored():
     def fans_out(x, w):
         y = torch.tanh(x) * 2  # as large as its input: storing it costs no more
