@@ -40,7 +40,7 @@ TESTS="${TESTS:-tests/test_cuda.py}"
 # --warm-cache: columns that generate the same kernels share them (first calls then
 # under-report compile time; the steady times are unaffected).
 WORKLOADS="${WORKLOADS:-force_training,full_hessian,sweep,attention,hessian,lj_forces,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian}"
-VARIANTS="${VARIANTS:-eager_batched,eager_vmap,compiled_func,dynbatch,dynbatch_cudagraphs,dynbatch_outside,jax}"
+VARIANTS="${VARIANTS:-eager_batched,eager_vmap,compiled_func,dynbatch,dynbatch_cudagraphs,dynbatch_outside,dynbatch_outside_cudagraphs,jax}"
 BENCH_ARGS="${BENCH_ARGS:---min-time 0.1 --warm-cache --workloads $WORKLOADS --variants $VARIANTS}"
 
 for phase in ${PHASES:-bench}; do

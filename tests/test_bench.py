@@ -75,7 +75,8 @@ def test_force_training_columns_match_eager_and_stock_compile_refuses(quick_run)
     for problem in problems:
         for case in problem["cases"]:
             cells = case["variants"]
-            assert set(cells) == set(training.COLUMNS), (problem["problem"], set(cells))
+            on_cpu = {c for c in training.COLUMNS if not c.endswith(training.CUDAGRAPHS)}  # CUDA graphs: CUDA only
+            assert set(cells) == on_cpu, (problem["problem"], set(cells))
             # the double backward stock torch.compile cannot do, recorded as its error
             assert "double backward" in cells["stock_compile"]["status"], cells["stock_compile"]["status"]
             scale = case["reference_max_abs"]
@@ -432,6 +433,36 @@ def test_ab_times_a_force_training_column_per_setting(capsys):
     for row in rows:
         assert _number(row["median ms"]) > 0, row
         assert _number(row["max abs diff"]) <= 1e-3, row  # the same parameter grads either way
+
+
+def test_cuda_graph_columns_compile_with_reduce_overhead_and_mark_each_step(monkeypatch):
+    """Their plumbing, on the CPU (where Inductor compiles the mode as the default one):
+    every dynbatch column of force_training again, compiled with mode="reduce-overhead",
+    each call a new step, the same parameter grads as eager; the batched-grad ones are
+    CUDA only."""
+    cpu = torch.device("cpu")
+    problem = training.force_training("quick", cpu)[0]
+    case = problem.cases[0]
+    eager = training.build("eager", problem, cpu)
+    expected = eager.call(*eager.prepare(case))
+    modes, steps = [], []
+    real_compile, real_mark = torch.compile, torch.compiler.cudagraph_mark_step_begin
+    def compile_(*args, **kwargs):
+        modes.append(kwargs.get("mode") or ("reduce-overhead" if kwargs["options"].get("triton.cudagraphs") else None))
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: (steps.append(1), real_mark())[1])
+    columns = [c for c in training.COLUMNS if c.endswith(training.CUDAGRAPHS)]
+    assert columns == [f"{c}_cudagraphs" for c in training.DYNBATCH_COLUMNS]
+    for column in columns:
+        runner = training.build(column, problem, cpu, options={"dynbatch.inner_compiler": "aot_eager"})
+        for _ in range(2):
+            torch.testing.assert_close(runner.call(*runner.prepare(case)), expected, atol=1e-4, rtol=1e-4)
+    assert modes == ["reduce-overhead"] * len(columns) and len(steps) == 2 * len(columns)
+    for variant in variants.CUDA_ONLY:
+        with pytest.raises(variants.VariantUnavailable, match="CUDA graphs need --device cuda"):
+            variants.build(variant, workloads.build("sweep", "quick", [2], "cpu")[0], cpu)
 
 
 def test_ab_reads_option_values_as_python_does():

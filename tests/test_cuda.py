@@ -388,6 +388,72 @@ def test_batched_jacobian_of_a_compiled_module_on_cuda():
     assert c.get("outside_batched_compiled") == 4 and not c.get("outside_eager"), c
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["forces_outside", "forces_in_forward"])
+def test_reduce_overhead_outside_a_compiled_model_replays_cuda_graphs(inside):
+    """mode="reduce-overhead" on the paths around a compiled model: a batched Jacobian
+    (is_grads_batched outside it, B symbolic) and a force-training step, each call a new
+    step; values equal eager's and no CUDA graph was skipped."""
+    import test_force_training as ft
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    eager, twin = (m.cuda() for m in ft.models(ft.ForcesInForward if inside else ft.PairPotential))
+    compiled = torch.compile(twin, backend="dynbatch", mode="reduce-overhead")
+    for step, n in enumerate((6, 6, 6, 6)):
+        pos = ft.positions(n, seed=step).cuda()
+        f_ref = torch.randn(n, 3, dtype=pos.dtype, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        assert_same_grads(_force_step(compiled, pos, f_ref, inside), _force_step(eager, pos, f_ref, inside),
+                          msg=f"step {step}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
+    jacobian_of = torch.compile(model, backend="dynbatch", mode="reduce-overhead")
+    x = torch.randn(4, 16, device="cuda", requires_grad=True)
+    for B in (2, 3, 5, 9, 9, 9):
+        V = torch.randn(B, 4, 8, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        got = tuple(g.clone() for g in torch.autograd.grad(jacobian_of(x), x, V, is_grads_batched=True))
+        assert_same_grads(got, loop_grads(model(x), x, [V]), atol=1e-5, rtol=1e-4, msg=f"B={B}")
+    c = dynbatch.counters()
+    assert not c.get("outside_eager") and not c.get("fallbacks"), c
+    assert counters["inductor"]["cudagraph_skips"] == skips, dict(counters["inductor"])
+    assert _cuda_graphs_recorded() >= 1
+
+
+def test_no_device_sync_in_a_steady_call_of_any_path():
+    """torch.cuda.set_sync_debug_mode("error") over the steady calls (after the compiles)
+    of the batched grad inside a compiled function, outside a compiled model, and a
+    force-training step through a compiled model: none waits for the device."""
+    import test_force_training as ft
+
+    vjp = make_mlp()
+    inside = torch.compile(vjp, backend="dynbatch", fullgraph=True)
+    x, V = torch.randn(8, 64, device="cuda", requires_grad=True), torch.randn(16, 8, 64, device="cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
+    outside = torch.compile(model, backend="dynbatch")
+    V8 = torch.randn(16, 8, 8, device="cuda")
+    _, twin = (m.cuda() for m in ft.models(ft.PairPotential))
+    stepped = torch.compile(twin, backend="dynbatch", fullgraph=True)
+    pos, f_ref = ft.positions(6, seed=0).cuda(), torch.randn(6, 3, device="cuda", dtype=torch.float64)
+    calls = {
+        "inside": lambda: inside(x, V),
+        "outside": lambda: torch.autograd.grad(outside(x), x, V8, is_grads_batched=True),
+        "force training": lambda: _force_step(stepped, pos, f_ref, inside=False),
+    }
+    for call in calls.values():  # compiles, and the forces learnt at forward time
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    for name, call in calls.items():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        except RuntimeError as e:
+            raise AssertionError(f"{name}: a steady call synchronised with the device: {e}") from e
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 # --- the memory budget with CUDA's free memory --------------------------------
 
 def _lj_hessian_rows(pos, V):

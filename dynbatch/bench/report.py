@@ -25,7 +25,7 @@ from .variants import COMPILED, REFERENCE, VARIANTS
 OURS = "dynbatch"
 # dynbatch's own other configurations (a tight memory budget; CUDA graphs; the grad outside the
 # compiled f): not rival columns, so "best other" leaves them out.
-OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside")
+OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynbatch_outside_cudagraphs")
 # The grad taken outside a compiled model: the summary shows its cost over the grad inside.
 OUTSIDE = "dynbatch_outside"
 
@@ -212,11 +212,16 @@ def time_table(results, notes: Footnotes) -> str:
 TRAINING_OURS = ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step")
 
 
+def _training_columns(results) -> list[str]:
+    """The columns a run measured (CUDA graphs' run on CUDA only)."""
+    return [c for c in training.COLUMNS if any(c in case["variants"] for p in results.get("training", [])
+                                               for case in p["cases"])]
+
+
 def training_table(results, notes: Footnotes) -> str:
     """Each column's time per step, ×ratio to eager; dynbatch's columns over the whole
     compiled step, and the whole step over JAX."""
-    cols = [c for c in training.COLUMNS if any(c in case["variants"] for p in results.get("training", [])
-                                                 for case in p["cases"])]
+    cols = _training_columns(results)
     header = (["problem", "case"] + [f"{c} ms" for c in cols]
               + [f"{c[len('dynbatch_'):]} / step" for c in TRAINING_OURS[:2]] + ["step / jax"])
     body = []
@@ -234,14 +239,15 @@ def training_table(results, notes: Footnotes) -> str:
 
 
 def training_cores_and_errors(results) -> str:
+    cols = _training_columns(results)
     body = []
     for problem in results.get("training", []):
         for case in problem["cases"]:
             cells = case["variants"]
             body.append([problem["problem"], case["label"]] + [
                 (f"{fmt(cells[c].get('cores_used'))} / {fmt(cells[c].get('max_abs_err'))}" if ok(cells.get(c)) else "–")
-                for c in training.COLUMNS])
-    return table(["problem", "case"] + [f"{c} cores / err" for c in training.COLUMNS], body)
+                for c in cols])
+    return table(["problem", "case"] + [f"{c} cores / err" for c in cols], body)
 
 
 # --- the mace workload (mace_workload.py) -------------------------------------------------

@@ -18,6 +18,7 @@ columns here are the ways a user can compile that step:
 - ``dynbatch_model_out``: the model returns E, compiled by dynbatch; the forces
   are taken outside with ``create_graph=True``;
 - ``dynbatch_step``: the whole step, ``loss.backward()`` included, compiled by dynbatch;
+- ``*_cudagraphs``: each dynbatch column with ``mode="reduce-overhead"`` (CUDA only);
 - ``jax``: ``jit(grad(loss))`` with the forces by ``jax.grad`` inside the loss.
 
 Each column returns the parameter grads, flattened, compared with eager's.  Two
@@ -40,7 +41,12 @@ from . import measure, stock, variants
 from .variants import Runner, VariantUnavailable
 from .workloads import _lattice
 
-COLUMNS = ("eager", "stock_compile", "stock_traced", "dynbatch_model_in", "dynbatch_model_out", "dynbatch_step", "jax")
+COLUMNS = ("eager", "stock_compile", "stock_traced", "dynbatch_model_in", "dynbatch_model_out", "dynbatch_step",
+           "dynbatch_model_in_cudagraphs", "dynbatch_model_out_cudagraphs", "dynbatch_step_cudagraphs", "jax")
+# mode="reduce-overhead" of a dynbatch column: CUDA graphs replay its kernels.  On the
+# CPU Inductor compiles that mode as the default one, so runs there leave them out.
+CUDAGRAPHS = "_cudagraphs"
+REDUCE_OVERHEAD = {"triton.cudagraphs": True}  # what mode="reduce-overhead" sets in Inductor
 REFERENCE = "eager"
 DESCRIPTIONS = {
     "eager": "the step in eager PyTorch; the reference for ratios",
@@ -53,6 +59,9 @@ DESCRIPTIONS = {
     "dynbatch_model_out": 'torch.compile(model, backend="dynbatch"); F = -grad(E, pos, create_graph=True) '
                           "outside the model",
     "dynbatch_step": 'torch.compile(step, backend="dynbatch") of the whole step, loss.backward() included',
+    **{f"{column}{CUDAGRAPHS}": f'{column} with mode="reduce-overhead" (CUDA graphs; each step begins with '
+                                "torch.compiler.cudagraph_mark_step_begin())"
+       for column in ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step")},
     "jax": 'JAX jit(grad(loss)), forces by jax.grad inside the loss, jax_default_matmul_precision="highest"',
 }
 
@@ -279,18 +288,26 @@ DYNBATCH_COLUMNS = ("dynbatch_model_in", "dynbatch_model_out", "dynbatch_step")
 
 
 def build(column: str, problem: Problem, device: torch.device, options: dict[str, Any] | None = None,
-          name: str | None = None) -> Runner:
+          name: str | None = None, mode: str | None = None) -> Runner:
     """One column's runner: its own copy of the model, compiled lazily on the first call
     (the dynbatch columns with ``options``), each compiled function or module's forward
     with a code object of its own (NOTE [A code object per compiled column] in variants.py)."""
     from .variants import _graph_counter  # noqa: PLC0415 - shared with the batched-grad columns
 
+    if column.endswith(CUDAGRAPHS):
+        return _cudagraph_steps(build(column[:-len(CUDAGRAPHS)], problem, device, options, name or column,
+                                      mode="reduce-overhead"))
     model = problem.make_model()
     name = name or column
 
     def compile_(fn, backend: str = "dynbatch"):
         fn = variants.with_own_forward(fn) if isinstance(fn, nn.Module) else variants.with_own_code(fn)
-        return torch.compile(fn, backend=backend, options=options if backend == "dynbatch" else None)
+        if backend != "dynbatch":
+            return torch.compile(fn, backend=backend)
+        if mode is not None and options:
+            # torch.compile takes mode= or options=, not both: the mode's Inductor setting as an option
+            return torch.compile(fn, backend=backend, options={**options, **REDUCE_OVERHEAD})
+        return torch.compile(fn, backend=backend, options=options, mode=mode)
 
     if column == "eager":
         return _torch_runner(name, model, _step_outside(model), lambda: None)
@@ -313,6 +330,18 @@ def build(column: str, problem: Problem, device: torch.device, options: dict[str
     if column == "jax":
         return _jax_runner(problem, model, device)
     raise KeyError(f"unknown column {column!r}; choose from {COLUMNS}")
+
+
+def _cudagraph_steps(runner: Runner) -> Runner:
+    """Each call a new step of the training loop: CUDA graph trees may then reuse the last
+    step's outputs' memory (the call's flattened grads are a copy of its own)."""
+    call = runner.call
+
+    def step(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return call(*args)
+
+    return dataclasses.replace(runner, call=step)
 
 
 def _jax_runner(problem: Problem, model: nn.Module, device: torch.device) -> Runner:
@@ -409,6 +438,7 @@ def run(workload: str, settings, bar) -> list[dict[str, Any]]:
     # The stock columns run when the run's columns include stock_compile, jax when they
     # include it (the default does both).
     stock_ = {"stock_compile": "stock_compile", "stock_traced": "stock_compile", "jax": "jax"}
-    columns = tuple(c for c in COLUMNS if c not in stock_ or stock_[c] in settings.variants)
+    columns = tuple(c for c in COLUMNS if (c not in stock_ or stock_[c] in settings.variants)
+                    and (settings.device.type == "cuda" or not c.endswith(CUDAGRAPHS)))
     bar.total += sum(len(p.cases) * len(columns) for p in problems)
     return [run_problem(p, columns, settings.device, settings.budget, settings.interleave, bar) for p in problems]

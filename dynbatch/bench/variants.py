@@ -19,12 +19,13 @@ import torch
 from .problem import Case, Problem
 
 VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "eager_vmap_chunked", "stock_compile", "compiled_func",
-            "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "jax")
-CUDA_ONLY = ("dynbatch_cudagraphs",)  # left out of the default columns on the CPU
+            "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynbatch_outside_cudagraphs",
+            "jax")
+CUDA_ONLY = ("dynbatch_cudagraphs", "dynbatch_outside_cudagraphs")  # left out of the default columns on the CPU
 REFERENCE = "eager_batched"  # every ratio in the report is over this column
 TRUTH = "eager_loop"  # errors are measured against this column
 COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs",
-            "dynbatch_outside", "jax")
+            "dynbatch_outside", "dynbatch_outside_cudagraphs", "jax")
 
 # eager_vmap_chunked: torch.func.vmap(..., chunk_size=VMAP_CHUNK) runs this many samples at a time.
 VMAP_CHUNK = 32
@@ -50,6 +51,8 @@ DESCRIPTIONS = {
     "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone, as an nn.Module whose weights are '
                         "parameters that require grad; the is_grads_batched grad taken outside it, in eager code "
                         "(the region's compiled batched backward)",
+    "dynbatch_outside_cudagraphs": 'dynbatch_outside with mode="reduce-overhead": the model\'s forward and the '
+                                   "region's compiled batched backward replayed as CUDA graphs (CUDA only)",
     "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
 }
 
@@ -102,12 +105,12 @@ def batched_program(problem: Problem) -> Callable:
     return batched
 
 
-def outside_program(problem: Problem) -> Callable:
+def outside_program(problem: Problem, mode: str | None = None) -> Callable:
     """The compiled-model pattern: only ``f`` is compiled; the batched grad is
     eager code around it (dynbatch/region.py batches that backward)."""
     if problem.batched_api is not None:
         raise VariantUnavailable(f"{problem.name} differentiates through an API that calls f itself")
-    compiled_f = torch.compile(with_own_forward(as_module(problem.f)), backend="dynbatch")
+    compiled_f = torch.compile(with_own_forward(as_module(problem.f)), backend="dynbatch", mode=mode)
 
     def outside(x, cotangents):
         x = x.detach().requires_grad_()
@@ -173,7 +176,7 @@ def memory_budget(variant: str, device: torch.device) -> int | None:
     """The bytes dynbatch's plan lets a column's batched backwards hold (None: no bound)."""
     import dynbatch.memory
 
-    if variant in ("dynbatch", "dynbatch_outside"):
+    if variant in ("dynbatch", "dynbatch_outside", "dynbatch_outside_cudagraphs"):
         return dynbatch.memory.resolve_budget("auto", [torch.zeros(1, device=device)])
     if variant == "dynbatch_budget":
         return dynbatch.options.parse_memory_budget(TIGHT_BUDGET)
@@ -239,6 +242,11 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
         return _cudagraphs_runner(problem, device)
     if variant == "dynbatch_outside":
         return _torch_runner(variant, problem, outside_program(problem), compiled=True)
+    if variant == "dynbatch_outside_cudagraphs":
+        if device.type != "cuda":
+            raise VariantUnavailable("CUDA graphs need --device cuda")
+        return _replayed_steps(_torch_runner(variant, problem, outside_program(problem, "reduce-overhead"),
+                                             compiled=True))
     if variant == "jax":
         return _jax_runner(problem, device)
     raise KeyError(f"unknown variant {variant!r}; choose from {VARIANTS}")
@@ -284,15 +292,18 @@ def _cudagraphs_runner(problem: Problem, device: torch.device) -> Runner:
     if device.type != "cuda":
         raise VariantUnavailable("CUDA graphs need --device cuda")
     compiled = torch.compile(with_own_code(batched_program(problem)), backend="dynbatch", mode="reduce-overhead")
-    runner = _torch_runner("dynbatch_cudagraphs", problem, compiled, compiled=True)
+    return _replayed_steps(_torch_runner("dynbatch_cudagraphs", problem, compiled, compiled=True))
+
+
+def _replayed_steps(runner: Runner) -> Runner:
+    """A CUDA-graph column's calls, each a new step of the loop: the last call's outputs
+    may be overwritten, so the result compared with the loop is a copy."""
     call = runner.call
 
     def replay(x, cotangents):
-        # Each call is a new step of the loop; the last call's outputs may be overwritten.
         torch.compiler.cudagraph_mark_step_begin()
         return call(x, cotangents)
 
-    # The result compared with the loop must outlive later replays, which reuse its memory.
     return dataclasses.replace(runner, call=replay, to_torch=lambda r: r.clone())
 
 
