@@ -147,9 +147,10 @@ def _holds(arg: Any, node: torch.fx.Node) -> bool:
     return arg is node or (isinstance(arg, (list, tuple)) and any(a is node for a in arg))
 
 
-def _chain(root: torch.fx.Node) -> Chain | None:
+def _chain(root: torch.fx.Node, max_ops: int) -> Chain | None:
     """The copyable ancestors of ``root`` at least 1/SMALL_FRACTION of its size; smaller
-    ones, and what is not pointwise, are the chain's inputs (read, not copied)."""
+    ones, and what is not pointwise, are the chain's inputs (read, not copied).  None
+    where the copy's body would exceed ``max_ops``."""
     size = _numel_hint(root)
     if not size:
         return None
@@ -160,17 +161,20 @@ def _chain(root: torch.fx.Node) -> Chain | None:
     input_bytes = sum(_numel_hint(a) * a.meta["val"].element_size() for a in inputs) / size
     # Inductor inlines the small pointwise inputs too: the copy's body reaches back to
     # what is stored (graph inputs, reductions, products), as the original's does.
-    body, loads = _walk(root, lambda node: True)
+    body, loads = _walk(root, lambda node: True, most=max_ops)
+    if len(body) > max_ops:
+        return None
     ops = len(loads) + sum(1 + sum(not isinstance(a, torch.fx.Node) for a in n.args)  # op and constants
                            for n in body if n.target not in VIEWS)
     return Chain(_inputs_first(root, set(nodes)), flops, input_bytes, ops, len(loads))
 
 
-def _walk(root: torch.fx.Node, follow) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+def _walk(root: torch.fx.Node, follow, most: int | None = None) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
     """(``root`` and its copyable ancestors that ``follow`` accepts, the tensors they read
-    that are not among them).  Size arguments (SymInt nodes) are neither."""
+    that are not among them), stopping past ``most`` nodes.  Size arguments (SymInt
+    nodes) are neither."""
     nodes, stack, seen, inputs = [], [root], {root}, set()
-    while stack:
+    while stack and (most is None or len(nodes) <= most):
         node = stack.pop()
         nodes.append(node)
         for arg in node.all_input_nodes:
@@ -246,7 +250,7 @@ def recompute_fanouts(graph: torch.fx.Graph, mode: str = "auto", device: str | N
         users = list(root.users)
         if len(users) < 2 or not _copyable(root) or root.target in VIEWS or not _consumers_fuse(root):
             continue
-        chain = _chain(root)
+        chain = _chain(root, max_ops)
         itemsize = root.meta["val"].element_size()
         # Only a tensor larger than what it is computed from: else storing it is as cheap.
         if chain is None or chain.input_bytes >= itemsize or chain.ops > max_ops or chain.reads > max_reads:

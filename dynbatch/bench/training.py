@@ -295,8 +295,8 @@ def build(column: str, problem: Problem, device: torch.device, options: dict[str
     from .variants import _graph_counter  # noqa: PLC0415 - shared with the batched-grad columns
 
     if column.endswith(CUDAGRAPHS):
-        return _cudagraph_steps(build(column[:-len(CUDAGRAPHS)], problem, device, options, name or column,
-                                      mode="reduce-overhead"))
+        return variants.replayed_steps(build(column[:-len(CUDAGRAPHS)], problem, device, options,
+                                             name or column, mode="reduce-overhead"))
     model = problem.make_model()
     name = name or column
 
@@ -330,18 +330,6 @@ def build(column: str, problem: Problem, device: torch.device, options: dict[str
     if column == "jax":
         return _jax_runner(problem, model, device)
     raise KeyError(f"unknown column {column!r}; choose from {COLUMNS}")
-
-
-def _cudagraph_steps(runner: Runner) -> Runner:
-    """Each call a new step of the training loop: CUDA graph trees may then reuse the last
-    step's outputs' memory (the call's flattened grads are a copy of its own)."""
-    call = runner.call
-
-    def step(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        return call(*args)
-
-    return dataclasses.replace(runner, call=step)
 
 
 def _jax_runner(problem: Problem, model: nn.Module, device: torch.device) -> Runner:

@@ -245,8 +245,8 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
     if variant == "dynbatch_outside_cudagraphs":
         if device.type != "cuda":
             raise VariantUnavailable("CUDA graphs need --device cuda")
-        return _replayed_steps(_torch_runner(variant, problem, outside_program(problem, "reduce-overhead"),
-                                             compiled=True))
+        return replayed_steps(_torch_runner(variant, problem, outside_program(problem, "reduce-overhead"),
+                                            compiled=True))
     if variant == "jax":
         return _jax_runner(problem, device)
     raise KeyError(f"unknown variant {variant!r}; choose from {VARIANTS}")
@@ -292,19 +292,19 @@ def _cudagraphs_runner(problem: Problem, device: torch.device) -> Runner:
     if device.type != "cuda":
         raise VariantUnavailable("CUDA graphs need --device cuda")
     compiled = torch.compile(with_own_code(batched_program(problem)), backend="dynbatch", mode="reduce-overhead")
-    return _replayed_steps(_torch_runner("dynbatch_cudagraphs", problem, compiled, compiled=True))
+    return replayed_steps(_torch_runner("dynbatch_cudagraphs", problem, compiled, compiled=True))
 
 
-def _replayed_steps(runner: Runner) -> Runner:
+def replayed_steps(runner: Runner) -> Runner:
     """A CUDA-graph column's calls, each a new step of the loop: the last call's outputs
-    may be overwritten, so the result compared with the loop is a copy."""
-    call = runner.call
+    may be overwritten, so the result compared with the reference is a copy."""
+    call, to_torch = runner.call, runner.to_torch
 
-    def replay(x, cotangents):
+    def replay(*args):
         torch.compiler.cudagraph_mark_step_begin()
-        return call(x, cotangents)
+        return call(*args)
 
-    return dataclasses.replace(runner, call=replay, to_torch=lambda r: r.clone())
+    return dataclasses.replace(runner, call=replay, to_torch=lambda r: to_torch(r).clone())
 
 
 def _jax_runner(problem: Problem, device: torch.device) -> Runner:
