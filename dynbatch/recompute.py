@@ -16,7 +16,8 @@ priority fusion duplicates such a producer into every consuming fusion instead
 This pass makes that choice per node, by a cost model: per element of the tensor,
 storing costs one write and k reads (k users), recomputing costs k - 1 more
 evaluations of the chain (its flops at the device's bytes-per-flop) and k reads of
-the chain's own inputs.  Where recomputing wins, every user but the first gets a copy
+the chain's own inputs; a tensor whose store and loads are too small to cost more than
+a kernel launch stays stored.  Where recomputing wins, every user but the first gets a copy
 of the chain (the pointwise and view nodes back to non-pointwise nodes, graph inputs
 and tensors much smaller than the result), so each of Inductor's kernels computes
 the tensor in its own loop.  A copy Inductor would realize anyway (a body over its
@@ -87,10 +88,15 @@ class DeviceCost:
     """What a flop costs against a byte moved, on one kind of device."""
 
     bytes_per_flop: float  # bytes the memory system moves in the time of one fp32 flop
+    min_saved_bytes: int  # a split must save at least this much traffic (its store and loads)
 
 
 # H100 / H200 SXM: 3.35-4.8 TB/s of HBM against 67 TFLOP/s of fp32 (not tensor-core)
-# math: a flop costs the time of 0.05-0.07 bytes.
+# math: a flop costs the time of 0.05-0.07 bytes.  A store and its loads under 16 MiB
+# take less than one kernel launch (~4 us at 4 TB/s), and stay in L2 between kernels:
+# splitting them gains nothing.  On an H200 (`bench ab dynbatch.recompute=never,auto
+# --device cuda`, 2026-11-28) lj_forces N = 24 (a 0.5 MB pair tensor) read x1.21 when
+# recomputed, N = 100 (36 MB) x0.89, N = 500 and full_hessian/lj N = 200, 500 x0.33-0.40.
 #
 # No CPU entry: on the CPU "auto" leaves the choice to Inductor.  On one core of this
 # project's 2-core AMD EPYC (Zen 3), recomputing wherever Inductor would inline the
@@ -98,7 +104,7 @@ class DeviceCost:
 # --workloads full_hessian,lj_forces,pinn --threads 1` read x0.88-1.03, the force-training
 # step x0.86-1.02 (docs/benchmarks.md).  dynbatch's CPU chunks (memory.CPU_AUTO_BUDGET)
 # keep a stored tensor in cache, where reading it back is cheap.
-COSTS = {"cuda": DeviceCost(bytes_per_flop=0.07)}
+COSTS = {"cuda": DeviceCost(bytes_per_flop=0.07, min_saved_bytes=16 * 2**20)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +220,12 @@ class Recomputed:
     reads: int = 0
 
 
-def recompute_pays(chain: Chain, users: int, itemsize: int, cost: DeviceCost) -> bool:
+def recompute_pays(chain: Chain, users: int, itemsize: int, cost: DeviceCost, numel: int) -> bool:
     """Per element of the result: k evaluations (and k reads of the chain's inputs) cost
-    less than one evaluation, a store and k loads."""
+    less than one evaluation, a store and k loads; and the store and loads saved are
+    large enough to show (``cost.min_saved_bytes``)."""
+    if numel * itemsize * (1 + users) < cost.min_saved_bytes:
+        return False
     store = chain.flops * cost.bytes_per_flop + chain.input_bytes + itemsize * (1 + users)
     recompute = users * (chain.flops * cost.bytes_per_flop + chain.input_bytes)
     return recompute < store
@@ -258,7 +267,8 @@ def recompute_fanouts(graph: torch.fx.Graph, mode: str = "auto", device: str | N
         extra = (len(users) - 1) * len(chain.nodes)
         if extra > budget:
             continue
-        if mode == "auto" and not recompute_pays(chain, len(users), itemsize, cost):
+        # Judged at the sizes the graph was traced with (B's hint where B is symbolic).
+        if mode == "auto" and not recompute_pays(chain, len(users), itemsize, cost, _numel_hint(root) or 0):
             continue
         for user in users[1:]:
             user.replace_input_with(root, _copy(graph, chain, before=user))

@@ -9,7 +9,9 @@
 #       eager_loop, eager_vmap_chunked and stock_compile, never the fastest on CUDA, are
 #       left out to fit; errors are then read against eager_batched); BENCH_ARGS
 #       replaces all of it.  Every workload takes about 11 minutes on an H200, so a
-#       full run is two calls on one lease (docs/benchmarks.md, "CUDA results"):
+#       full run is two calls on one lease (docs/benchmarks.md, "CUDA results").
+#       Measured 2026-11-28: tests 90 s, ab 77 s, sweep ~100 s, force_training with
+#       its CUDA-graph columns 225 s (it alone overran a 185 s BENCH_TIMEOUT):
 #         PHASES="tests bench" BENCH_TIMEOUT=400 WORKLOADS=force_training,full_hessian,sweep
 #         PHASES=bench BENCH_TIMEOUT=330 WORKLOADS=attention,hessian,lj_forces,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel

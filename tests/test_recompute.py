@@ -60,17 +60,27 @@ def test_each_reduction_gets_its_own_copy_and_values_stay():
     assert_snapshot("recompute_pair_forces", before + graph_text(gm, "after"))
 
 
+@pytest.fixture
+def any_size_pays(monkeypatch):
+    """The GPU cost model without its size floor, for graphs traced at test sizes."""
+    monkeypatch.setitem(recompute.COSTS, "cuda", dataclasses.replace(recompute.COSTS["cuda"], min_saved_bytes=0))
+
+
 def test_the_gpu_cost_model_recomputes_cheap_chains_and_stores_costly_ones():
     """HBM bytes cost ~14 flops: the Lennard-Jones pair forces (17 flops from 2.8 bytes of
-    inputs per element, read twice) are recomputed, 20 transcendental ops are not."""
+    inputs per element, read twice) are recomputed, 20 transcendental ops are not; nor is
+    a tensor whose store and loads would take less than a kernel launch."""
     lj = recompute.Chain([], flops=17, input_bytes=2.8, ops=47, reads=6)
     costly = dataclasses.replace(lj, flops=20 * recompute.TRANSCENDENTAL_FLOPS)
     gpu = recompute.COSTS["cuda"]
-    assert recompute.recompute_pays(lj, 2, 4, gpu) and not recompute.recompute_pays(costly, 2, 4, gpu)
+    large, small = 1500 * 500 * 500 * 3, 72 * 24 * 24 * 3  # lj_forces' [B, N, N, 3] at N = 500 and 24
+    assert recompute.recompute_pays(lj, 2, 4, gpu, large)
+    assert not recompute.recompute_pays(costly, 2, 4, gpu, large)
+    assert not recompute.recompute_pays(lj, 2, 4, gpu, small)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_auto_splits_the_pair_tensor_on_a_gpu_and_leaves_the_cpu_to_inductor(device):
+def test_auto_splits_the_pair_tensor_on_a_gpu_and_leaves_the_cpu_to_inductor(device, any_size_pays):
     pos, V = _inputs()
     gm = _traced(pair_forces, pos, V)
     count = recompute.recompute_fanouts(gm.graph, "auto", device, limits=(100, 20)).count
@@ -83,7 +93,7 @@ def test_auto_splits_the_pair_tensor_on_a_gpu_and_leaves_the_cpu_to_inductor(dev
     torch.testing.assert_close(gm(pos, V), pair_forces(pos, V))
 
 
-def test_edge_terms_a_scatter_adds_are_recomputed_in_its_loop_but_its_target_is_not():
+def test_edge_terms_a_scatter_adds_are_recomputed_in_its_loop_but_its_target_is_not(any_size_pays):
     """A message-passing potential's [B, E, F] edge terms, summed and scattered to atoms
     (index_add decomposes to an accumulating index_put)."""
 
@@ -128,22 +138,22 @@ def test_copies_over_the_limits_stay_stored():
 
 # --- through dynbatch and Inductor --------------------------------------------------
 
-def lj_hessian_rows(device="cpu"):
-    """Rows of a Lennard-Jones Hessian (the bench's full_hessian/lj), N = 6, B = 18."""
+def lj_hessian_rows(device="cpu", n=6):
+    """Rows of a Lennard-Jones Hessian (the bench's full_hessian/lj), B = 3N."""
     (problem,) = [p for p in workloads.full_hessian("quick", None, device) if p.name == "full_hessian/lj"]
-    pos = workloads._lattice(6, torch.Generator().manual_seed(0)).to(device)
+    pos = workloads._lattice(n, torch.Generator().manual_seed(0)).to(device)
 
     def rows(pos, V):
         pos = pos.detach().requires_grad_()
         forces = problem.f(pos)
         return torch.autograd.grad(forces, pos, V, is_grads_batched=True)[0]
 
-    return rows, pos, workloads._hessian_basis(6, device)
+    return rows, pos, workloads._hessian_basis(n, device)
 
 
-def pair_buffers(code: str) -> list[str]:
-    """Buffers the generated code allocates with the [B, N, N, 3] shape (B = 18, N = 6)."""
-    return re.findall(r"empty_strided_c(?:pu|uda)\(\(18, 6, 6, 3\)", code)
+def pair_buffers(code: str, n=6) -> list[str]:
+    """Buffers the generated code allocates with the [B, N, N, 3] shape (B = 3N)."""
+    return re.findall(rf"empty_strided_c(?:pu|uda)\(\({3 * n}, {n}, {n}, 3\)", code)
 
 
 @pytest.mark.parametrize("inline_limits", ["cpu", "gpu"])
