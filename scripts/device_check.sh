@@ -23,6 +23,10 @@
 #   PHASES="ab": `python -m dynbatch.bench ab` on CUDA, AB_SETTING (default
 #       dynbatch.recompute=never,auto: store or recompute, docs/design.md) over
 #       AB_WORKLOADS (default full_hessian,lj_forces,hessian), AB_TIMEOUT (default 420) s.
+#   PHASES="profile": `python -m dynbatch.bench overhead --top 8` on CUDA, each column's
+#       costliest kernels beside its stack and program times (PROFILE_ARGS, default the
+#       `hessian` rows, where dynbatch's kernels took 8.35 ms and the same kernels replayed
+#       as CUDA graphs 4.88), PROFILE_TIMEOUT (default 240) s.
 #   PHASES="bench tests": both, in that order.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -72,6 +76,15 @@ for phase in ${PHASES:-bench}; do
     timeout "${AB_TIMEOUT:-420}" python3 -m dynbatch.bench ab "${AB_SETTING:-dynbatch.recompute=never,auto}" \
       --device "$DEVICE" --min-time 0.1 --workloads "${AB_WORKLOADS:-full_hessian,lj_forces,hessian}" >> "$LOG" 2>&1
     echo "ab exit $?" >> "$LOG"
+    tail -40 "$LOG"
+    ;;
+  profile)
+    section profile
+    # shellcheck disable=SC2086 - PROFILE_ARGS is a list of words
+    timeout "${PROFILE_TIMEOUT:-240}" python3 -m dynbatch.bench overhead --device "$DEVICE" --top 8 \
+      ${PROFILE_ARGS:---workloads hessian --batch-sizes 8 --variants compiled_func,dynbatch,dynbatch_cudagraphs} \
+      >> "$LOG" 2>&1
+    echo "profile exit $?" >> "$LOG"
     tail -40 "$LOG"
     ;;
   bench)

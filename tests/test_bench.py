@@ -392,6 +392,17 @@ def test_overhead_splits_a_dynbatch_call(capsys):
             assert row["stack us"] == row["program us"] == "–", row
 
 
+def test_overhead_top_lists_each_columns_costliest_kernels(capsys):
+    assert main(["overhead", "--quick", "--workloads", "sweep", "--batch-sizes", "3",
+                 "--variants", "eager_batched,dynbatch", "--top", "2"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert [r["column"] for r in rows[:2]] == ["eager_batched", "dynbatch"]
+    top = rows[2:]
+    assert [r["column"].split(": ")[0] for r in top] == ["eager_batched"] * 2 + ["dynbatch"] * 2, top
+    spent = [_number(r["products us"]) for r in top]
+    assert all(us > 0 for us in spent) and spent[0] >= spent[1] and spent[2] >= spent[3], top
+
+
 @pytest.mark.slow  # Inductor compiles five columns per case: minutes on 2 cores with a cold cache
 def test_overhead_splits_a_training_step_into_programs_and_the_rest(capsys):
     assert main(["overhead", "--quick", "--workloads", "force_training", "--atoms", "8"]) == 0

@@ -79,6 +79,9 @@ def parse_args(argv) -> argparse.Namespace:
                                                                   if v != "stock_compile"], "variant(s)"),
                         default=None, help=f"comma list of columns, default {','.join(COLUMNS)} "
                                            f"(less {','.join(variants.CUDA_ONLY)} on the CPU)")
+    parser.add_argument("--top", type=int, default=0,
+                        help="after each case, each column's N costliest kernels in one profiled call "
+                             "(CUDA: by device time; CPU: ops by their own CPU time)")
     return parser.parse_args(argv)
 
 
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
         for problem in cli.problems(argparse.Namespace(**{**vars(args), "workloads": batched})):
-            for row in measure_problem(problem, columns, device, cli.budget(args)):
+            for row in measure_problem(problem, columns, device, cli.budget(args), args.top):
                 print("| " + " | ".join(row) + " |", flush=True)
     for name in (w for w in args.workloads if w in training.WORKLOADS):
         print("| problem | case | column | whole us | programs us | rest us | programs / step's | whole / step's |")
@@ -213,8 +216,10 @@ class ProgramTimer:
         return run
 
 
-def measure_problem(problem, columns, device: torch.device, budget: measure.Budget) -> Iterator[list[str]]:
-    """One row of figures per case and column (as text), the columns timed interleaved per case."""
+def measure_problem(problem, columns, device: torch.device, budget: measure.Budget,
+                    top: int = 0) -> Iterator[list[str]]:
+    """One row of figures per case and column (as text), the columns timed interleaved per
+    case; with ``top``, then a row per column's costliest kernel (``top_kernels``)."""
     torch._dynamo.reset()  # the columns' programs share code objects across problems
     sync = measure.synchronizer(device)
     built: dict[str, tuple[variants.Runner, list[tuple], Programs]] = {}
@@ -266,6 +271,9 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                        _fmt(None if kernel_s is None else kernel_s * 1e6), "–" if launched is None else str(launched)]
                 programs.spent.clear()
                 programs.wholes.clear()
+            for column in (c for c in columns if top and c in built and built[c][0].torch_tensors):
+                for kernel, us, count in top_kernels(calls[column], sync, device, top):
+                    yield [problem.name, case.label, f"{column}: {kernel}", "", "", "", _fmt(us), str(count)]
 
 
 # NOTE [A stack under differentiable outputs]
@@ -349,6 +357,30 @@ def kernels_per_call(call: Callable[[], Any], sync: Callable[[], None], device: 
         seconds.append(sum(e.device_time for e in events) / 1e6)
         counts.append(len(events))
     return statistics.median(seconds), int(statistics.median(counts))
+
+
+def top_kernels(call: Callable[[], Any], sync: Callable[[], None], device: torch.device,
+                n: int) -> list[tuple[str, float, int]]:
+    """(name, us, launches) of the ``n`` costliest kernels of one warm call, by name: on
+    CUDA by device time, on the CPU by each op's own CPU time.  Where two columns run
+    the same graph at different speeds, this says which kernel differs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync()
+    with measure.quiet_stderr(), profile(activities=activities) as prof:
+        call()
+        sync()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        on_device = e.device_type == torch.autograd.DeviceType.CUDA
+        if on_device != (device.type == "cuda"):
+            continue
+        spent = e.device_time if on_device else e.self_cpu_time_total
+        entry = totals.setdefault(e.name, [0.0, 0])
+        entry[0], entry[1] = entry[0] + spent, entry[1] + 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name[:90], us, count) for name, (us, count) in ranked]
 
 
 def recorded_products(call: Callable[[], Any]) -> list[tuple[str, tuple]]:
