@@ -18,10 +18,16 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
   with a short output, [65536, 32] @ [32, 8], 2.4 ms against 0.7 ms the same way
   (force training's pair potential has both, twice per step).
 
-So a product has up to three kernels (``KERNELS``): ATen's as given, ATen's on
-the transposed problem (``flipped``, its result copied back to row-major), and
+- MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.5-0.7 of the
+  core's float32 peak (94 GFLOP/s measured by ``bench gemm``'s FMA loop); the
+  OpenBLAS that numpy ships reaches up to 0.73 on the same products (``[M, 512] @
+  [512, 512]``, M >= 1024: 67-68 GFLOP/s against MKL's 46-58).
+
+So a product has up to four kernels (``KERNELS``): ATen's as given, ATen's on
+the transposed problem (``flipped``, its result copied back to row-major),
 oneDNN's where it applies (float32, ``a`` contiguous, ``b.t()`` contiguous or
-small enough to copy).  "auto", the default, takes the fastest per shape.  It
+small enough to copy), and numpy's BLAS (``openblas``, where numpy and
+threadpoolctl are installed; NOTE [numpy's BLAS]).  "auto", the default, takes the fastest per shape.  It
 is measured, not assumed: the first product of each (power-of-two buckets of
 M, K and N, operand layouts, dtype, threads) runs every applicable kernel on its
 real operands, a few times each, and the fastest is remembered for the rest of
@@ -55,7 +61,7 @@ log = logging.getLogger("dynbatch")
 
 # Options.cpu_matmul: "auto" measures; "aten" leaves every product to ATen;
 # "flipped" and "onednn" take that kernel wherever it applies (for tests and comparisons).
-CHOICES = ("auto", "aten", "flipped", "onednn")
+CHOICES = ("auto", "aten", "flipped", "onednn", "openblas")
 # Timed calls of each kernel in a measurement, after one untimed call that
 # builds oneDNN's primitive and warms the caches (the minimum is compared).
 TRIALS = 5
@@ -89,14 +95,73 @@ def onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, w if w.is_contiguous() else w.contiguous(), None, "none", [], "")
 
 
+# NOTE [numpy's BLAS]
+# numpy's wheels ship their own OpenBLAS, which runs float32 GEMMs nearer this
+# CPU's peak than the MKL torch's CPU wheels call (NOTE [CPU matmul kernels]).
+# Its products write into the torch output in place (``out=``, zero-copy views).
+# OpenBLAS has a thread pool of its own, sized by default to every core, which
+# would run beside torch's intra-op threads; each product runs it at torch's
+# thread count and sets the process-wide count back after, through threadpoolctl
+# (a well-kept library that finds the BLAS numpy loaded and its thread setter,
+# whose symbol names differ between builds).
+
+
+class NumpyBlas:
+    """numpy's BLAS with a thread count per product (NOTE [numpy's BLAS])."""
+
+    def __init__(self, np, blas) -> None:
+        self.np, self.blas = np, blas
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+        threads, theirs = torch.get_num_threads(), self.blas.get_num_threads()
+        if threads != theirs:
+            self.blas.set_num_threads(threads)
+        try:
+            self.np.matmul(a.numpy(), b.numpy(), out=out.numpy())
+        finally:
+            if threads != theirs:
+                self.blas.set_num_threads(theirs)
+        return out
+
+
+@functools.cache
+def numpy_blas() -> NumpyBlas | None:
+    """numpy's OpenBLAS, where numpy uses one and threadpoolctl can set its threads."""
+    try:
+        import numpy as np
+        import threadpoolctl
+    except ImportError:
+        return None
+    np.ones(1) @ np.ones(1)  # numpy loads its BLAS lazily on some builds
+    for lib in threadpoolctl.ThreadpoolController().select(internal_api="openblas").lib_controllers:
+        # numpy's own copy: its wheel keeps it in numpy.libs (or scipy_openblas*), beside numpy
+        if "numpy" in lib.filepath or "scipy_openblas" in lib.filepath:
+            return NumpyBlas(np, lib)
+    return None
+
+
+def openblas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return numpy_blas().matmul(a, b)
+
+
 # name -> kernel(a, b) computing a @ b, as a new contiguous matrix.
 KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "aten": aten, "flipped": flipped, "onednn": onednn}
+    "aten": aten, "flipped": flipped, "onednn": onednn, "openblas": openblas}
 
 
 @functools.cache
 def onednn_available() -> bool:
     return bool(getattr(torch._C, "_has_mkldnn", False)) and torch.backends.mkldnn.is_available()
+
+
+def available(name: str) -> bool:
+    """Whether this process has kernel ``name`` at all (oneDNN and numpy's BLAS may be missing)."""
+    if name == "onednn":
+        return onednn_available()
+    if name == "openblas":
+        return numpy_blas() is not None
+    return True
 
 
 def applies(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,6 +172,10 @@ def applies(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if name == "flipped":
         return a.dtype in (torch.float32, torch.float64)
+    if name == "openblas":
+        # .numpy() refuses tensors with a lazy conjugate or negation bit
+        return (a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64)
+                and not any(t.is_conj() or t.is_neg() for t in (a, b)) and numpy_blas() is not None)
     return (a.dtype == torch.float32 == b.dtype and a.is_contiguous() and onednn_available()
             and (b.t().is_contiguous() or b.numel() <= COPY_LIMIT))
 

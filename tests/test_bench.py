@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from dynbatch.bench import VARIANTS, WORKLOADS, runner, training, variants, workloads  # noqa: E402
+from dynbatch.bench import VARIANTS, WORKLOADS, peak, runner, training, variants, workloads  # noqa: E402
 from dynbatch.bench.__main__ import main, parse_args, settings_from  # noqa: E402
 from dynbatch.bench.measure import memory_method, short_error  # noqa: E402
 from dynbatch.bench.problem import BatchedMemory  # noqa: E402
@@ -493,11 +493,21 @@ def test_gemm_times_every_kernel(capsys):
     assert main(["gemm", "--quick", "--m", "8,64", "--kn", "16"]) == 0
     rows = _table(capsys.readouterr().out)
     assert [(r["M"], r["K = N"]) for r in rows] == [("8", "16"), ("64", "16")]
-    kernels = ["aten"] + (["onednn"] if matmul_kernels.onednn_available() else [])
+    kernels = [k for k in matmul_kernels.KERNELS if matmul_kernels.available(k)]
     for row in rows:
         assert all(_number(row[f"{k} GF/s"]) > 0 for k in kernels), row
         if "onednn" in kernels:
             assert _number(row["onednn / aten time"]) > 0, row
+        if peak.core_peak_gflops():  # each row's fastest kernel as a fraction of the measured peak
+            fraction, fastest = row["dynbatch's best / peak"].split()
+            assert 0 < float(fraction) < 1.5 and fastest.strip("()") in kernels, row
+
+
+def test_core_peak_is_measured_where_the_cpu_has_fma():
+    if peak.isa() is None:
+        pytest.skip(reason="no AVX2 FMA")
+    # a core of 1-6 GHz with one to two FMA units on 8-16 lanes: 16-384 GFLOP/s
+    assert 8 < peak.core_peak_gflops() < 400
 
 
 def test_single_call_times_one_steady_call_per_cell(tmp_path):

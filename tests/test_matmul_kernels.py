@@ -18,6 +18,8 @@ from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, lo
 
 aten = torch.ops.aten
 needs_onednn = pytest.mark.skipif(not matmul_kernels.onednn_available(), reason="torch built without oneDNN")
+needs_openblas = pytest.mark.skipif(not matmul_kernels.available("openblas"),
+                                    reason="no numpy with OpenBLAS, or no threadpoolctl")
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +65,42 @@ def test_onednn_applies_to_float32_with_a_row_major_left_operand_only():
     assert not matmul_kernels.applies("onednn", torch.randn(8, 32), big)
 
 
+@needs_openblas
+def test_openblas_runs_at_torchs_thread_count_and_gives_numpy_its_own_back():
+    import numpy as np
+
+    blas = matmul_kernels.numpy_blas().blas
+    before = blas.get_num_threads()
+    seen = []
+    real_matmul = np.matmul
+
+    def matmul(*args, **kwargs):
+        seen.append(blas.get_num_threads())
+        return real_matmul(*args, **kwargs)
+
+    threads = torch.get_num_threads()
+    blas.set_num_threads(2)
+    torch.set_num_threads(1)
+    matmul_kernels.numpy_blas().np = types.SimpleNamespace(matmul=matmul)
+    try:
+        a, b = matmul_kernels.operands(64, 32, 16, torch.float32, "rc")
+        torch.testing.assert_close(matmul_kernels.openblas(a, b), a @ b)
+        assert seen == [1] and blas.get_num_threads() == 2
+    finally:
+        matmul_kernels.numpy_blas().np = np
+        torch.set_num_threads(threads)
+        blas.set_num_threads(before)
+
+
+@needs_openblas
+def test_openblas_takes_float_matrices_numpy_can_view():
+    a, b = matmul_kernels.operands(64, 32, 16, torch.float32)
+    assert matmul_kernels.applies("openblas", a, b) and matmul_kernels.applies("openblas", a.double(), b.double())
+    assert not matmul_kernels.applies("openblas", a.half(), b.half())
+    assert not matmul_kernels.applies("openblas", a, b.double())
+    assert not matmul_kernels.applies("openblas", a, torch._neg_view(b))
+
+
 def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
     w = torch.randn(16, 32)
     matmul_kernels.mm(torch.randn(8, 32), w.t())  # short: ATen, unmeasured
@@ -75,6 +113,7 @@ def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
     measured = dict(kernel_calls)
     assert measured["aten"] > 2 and measured["flipped"] > 0  # both were timed
     assert (measured["onednn"] > 0) == matmul_kernels.onednn_available()
+    assert (measured["openblas"] > 0) == matmul_kernels.available("openblas")
     matmul_kernels.mm(torch.randn(tall + 5, 32), w.t())  # same bucket: the remembered kernel, once
     assert len(matmul_kernels.chosen()) == 1
     assert sum(kernel_calls.values()) == sum(measured.values()) + 1 and kernel_calls[name] == measured[name] + 1
@@ -86,14 +125,15 @@ def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
 
 
 @pytest.mark.parametrize("costs, expected", [
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.97}, "onednn"),
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03}, "aten"),
-    ({"aten": 1.0, "flipped": 0.3, "onednn": 1.03}, "flipped"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.97, "openblas": 1.1}, "onednn"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 1.1}, "aten"),
+    ({"aten": 1.0, "flipped": 0.3, "onednn": 1.03, "openblas": 1.1}, "flipped"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 0.8}, "openblas"),
 ])
 def test_auto_takes_the_kernel_measured_fastest(monkeypatch, costs, expected):
     """The measured times decide (a fake clock that each kernel advances by its cost)."""
-    if expected == "onednn" and not matmul_kernels.onednn_available():
-        pytest.skip(reason="torch built without oneDNN")
+    if not matmul_kernels.available(expected):
+        pytest.skip(reason=f"no {expected} kernel in this process")
     clock = {"now": 0.0}
     monkeypatch.setattr(matmul_kernels, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
     for name, kernel in list(matmul_kernels.KERNELS.items()):

@@ -11,7 +11,9 @@ precision (its figure includes ``jax.jit``'s dispatch), timed interleaved
 (measure.interleaved_times).  GFLOP/s per kernel and shape, and oneDNN's time
 over ATen's: what ``cpu_matmul="auto"`` and ``matmul_kernels.MIN_ROWS`` decide
 from.  With ``--threads N`` the process is pinned to N cores before XLA sizes its
-thread pool.
+thread pool.  Above the table, the core's float32 peak, measured by an FMA loop
+(peak.py), and in the table the fastest of dynbatch's kernels as a fraction of it
+(peak x threads).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from dynbatch import matmul_kernels
 
-from . import cli, measure
+from . import cli, measure, peak
 
 ROWS = (8, 64, 512, 1024, 2048, 4096, 8192)
 WIDTHS = (128, 512)
@@ -61,9 +63,15 @@ def main(argv=None) -> int:
     if args.min_time is not None:
         budget = dataclasses.replace(budget, min_time_s=args.min_time)
     ratio = "aten" in kernels and "onednn" in kernels
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s, medians")
-    print("| M | K = N | " + " | ".join(f"{k} GF/s" for k in kernels) + (" | onednn / aten time |" if ratio else " |"))
-    print("|---|---|" + "---|" * (len(kernels) + ratio), flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s, medians; "
+          f"CPU: {peak.cpu_model()}")
+    core = peak.core_peak_gflops()
+    peak_all = core * torch.get_num_threads() if core else None
+    print(f"core peak (float32 FMA loop, {peak.isa() or 'no AVX2'}): "
+          + (f"{core:.3g} GFLOP/s a core" if core else "not measured (no C compiler or no AVX2)"))
+    print("| M | K = N | " + " | ".join(f"{k} GF/s" for k in kernels) + (" | onednn / aten time" if ratio else "")
+          + (" | dynbatch's best / peak |" if peak_all else " |"))
+    print("|---|---|" + "---|" * (len(kernels) + ratio + bool(peak_all)), flush=True)
     for k in args.kn or widths:
         for m in args.m or rows:
             a, w = torch.randn(m, k), torch.randn(k, k)
@@ -74,6 +82,9 @@ def main(argv=None) -> int:
             cells = [f"{flops / med[name]:.3g}" for name in kernels]
             if ratio:
                 cells.append(f"×{med['onednn'] / med['aten']:.2f}")
+            if peak_all:  # the fastest of the kernels "auto" chooses from (XLA's is not one)
+                fastest = min((name for name in med if name in matmul_kernels.KERNELS), key=med.get)
+                cells.append(f"{flops / med[fastest] / peak_all:.2f} ({fastest})")
             print(f"| {m} | {k} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
@@ -82,7 +93,7 @@ def kernel_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[
     """name -> (a, w) -> a thunk computing ``a @ w.T`` by that kernel."""
     calls = {name: (lambda a, w, kernel=kernel: lambda: kernel(a, w.t()))
              for name, kernel in matmul_kernels.KERNELS.items()
-             if name != "onednn" or matmul_kernels.onednn_available()}
+             if matmul_kernels.available(name)}
     try:
         import jax
         import jax.numpy as jnp

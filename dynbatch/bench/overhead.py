@@ -410,7 +410,7 @@ def fastest_product_s(op: str, shapes: tuple) -> float:
         w_t = w.t().contiguous()
         kernels = [lambda: torch.mm(a, w_t), *(
             lambda kernel=kernel: kernel(a, w.t()) for name, kernel in matmul_kernels.KERNELS.items()
-            if name != "onednn" or matmul_kernels.onednn_available())]
+            if matmul_kernels.available(name))]
     return min(statistics.median(measure.steady_times(kernel, lambda: None, REPLAY_BUDGET)) for kernel in kernels)
 
 
