@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                 cells.append(f"×{med['onednn'] / med['aten']:.2f}")
             if peak_all:  # the fastest of the kernels "auto" chooses from (XLA's is not one)
                 fastest = min((name for name in med if name in matmul_kernels.KERNELS), key=med.get)
-                cells.append(f"{flops / med[fastest] / peak_all:.2f} ({fastest})")
+                cells.append(f"{flops / med[fastest] / peak_all:.2g} ({fastest})")
             print(f"| {m} | {k} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
