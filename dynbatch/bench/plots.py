@@ -15,9 +15,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from .report import REFERENCE, columns, figure, ok, same_memory_method
+from .cells import columns, figure, ok, same_memory_method
 from .training import COLUMNS as TRAINING_COLUMNS
-from .variants import TIGHT_BUDGET
+from .variants import REFERENCE, TIGHT_BUDGET
 
 MARKERS = "osD^v<>p*h"
 

@@ -17,10 +17,11 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from . import mace_workload, training
-from .variants import COMPILED, REFERENCE, VARIANTS
+from .cells import columns, figure, ok, rows, same_memory_method
+from .variants import COMPILED, REFERENCE
 
 OURS = "dynbatch"
 # dynbatch's own other configurations (a tight memory budget; CUDA graphs; the grad outside the
@@ -30,23 +31,7 @@ OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynba
 OUTSIDE = "dynbatch_outside"
 
 
-# --- reading cells --------------------------------------------------------------
-
-def ok(cell: dict[str, Any] | None) -> bool:
-    return bool(cell) and cell.get("status") == "ok"
-
-
-def rows(results: dict[str, Any]) -> Iterable[tuple[dict, dict]]:
-    """(problem, case) pairs in run order."""
-    for problem in results["problems"]:
-        for case in problem["cases"]:
-            yield problem, case
-
-
-def columns(results: dict[str, Any]) -> list[str]:
-    chosen = results["meta"].get("variants") or list(VARIANTS)
-    return [v for v in VARIANTS if v in chosen]
-
+# --- ratios and the best other column (cells.py reads the cells) ---------------
 
 def ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base <= 0:
@@ -68,11 +53,6 @@ def best_other(case: dict[str, Any], key: str, usable=lambda cell: True,
         return None, None
     value, name = min(figures)
     return name, value
-
-
-def figure(case: dict[str, Any], variant: str, key: str) -> float | None:
-    cell = case["variants"].get(variant)
-    return cell.get(key) if ok(cell) else None
 
 
 # --- formatting -------------------------------------------------------------------
@@ -278,11 +258,6 @@ def mace_table(results, notes: Footnotes) -> str:
     per_column = f"({' / '.join(cols)})"
     return table(["call", "case"] + [f"{c} ms" for c in cols]
                  + [f"first call s {per_column}", "cores used", "max abs err vs eager"], body)
-
-
-def same_memory_method(meta: dict[str, Any]) -> Callable[[dict], bool]:
-    """Cells whose peak memory was measured the run's way (JAX's sampled RSS is not comparable)."""
-    return lambda cell: cell.get("mem_method", meta["memory_method"]) == meta["memory_method"]
 
 
 def simple_table(results, notes: Footnotes, key: str, scale: float, unit: str,
@@ -557,7 +532,7 @@ def image_path(img_dir: Path, source: Path, figure: str) -> Path:
 
 
 def image_links(results: dict[str, Any], source: Path, img_dir: Path, doc: Path) -> list[str]:
-    from . import plots  # plots imports this module
+    from . import plots  # matplotlib, imported only where plots are drawn
 
     links = []
     for figure in plots.figures(results):
