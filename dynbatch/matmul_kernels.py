@@ -18,10 +18,10 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
   with a short output, [65536, 32] @ [32, 8], 2.4 ms against 0.7 ms the same way
   (force training's pair potential has both, twice per step).
 
-- MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.5-0.7 of the
-  core's float32 peak (94 GFLOP/s measured by ``bench gemm``'s FMA loop); the
-  OpenBLAS that numpy ships reaches up to 0.73 on the same products (``[M, 512] @
-  [512, 512]``, M >= 1024: 67-68 GFLOP/s against MKL's 46-58).
+- MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.55-0.8 of the
+  core's float32 peak (96 GFLOP/s, measured by ``bench gemm``'s FMA loop); the
+  OpenBLAS that numpy ships is the fastest on ``[M, 512] @ [512, 512]`` from
+  M = 1024 (63-70 GFLOP/s against oneDNN's 59-69 and MKL's 53-62, one core).
 
 So a product has up to four kernels (``KERNELS``): ATen's as given, ATen's on
 the transposed problem (``flipped``, its result copied back to row-major),
@@ -60,7 +60,7 @@ from . import _compat, fail_soft
 log = logging.getLogger("dynbatch")
 
 # Options.cpu_matmul: "auto" measures; "aten" leaves every product to ATen;
-# "flipped" and "onednn" take that kernel wherever it applies (for tests and comparisons).
+# "flipped", "onednn" and "openblas" take that kernel wherever it applies (tests, comparisons).
 CHOICES = ("auto", "aten", "flipped", "onednn", "openblas")
 # Timed calls of each kernel in a measurement, after one untimed call that
 # builds oneDNN's primitive and warms the caches (the minimum is compared).
@@ -103,7 +103,8 @@ def onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # would run beside torch's intra-op threads; each product runs it at torch's
 # thread count and sets the process-wide count back after, through threadpoolctl
 # (a well-kept library that finds the BLAS numpy loaded and its thread setter,
-# whose symbol names differ between builds).
+# whose symbol names differ between builds).  numpy code running in another Python
+# thread during such a product sees torch's count, not its own.
 
 
 class NumpyBlas:
