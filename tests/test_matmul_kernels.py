@@ -66,7 +66,7 @@ def test_onednn_applies_to_float32_with_a_row_major_left_operand_only():
 
 
 @needs_openblas
-def test_openblas_runs_at_torchs_thread_count_and_gives_numpy_its_own_back():
+def test_openblas_runs_at_torchs_thread_count_and_gives_numpy_its_own_back(monkeypatch):
     import numpy as np
 
     blas = matmul_kernels.numpy_blas().blas
@@ -81,13 +81,12 @@ def test_openblas_runs_at_torchs_thread_count_and_gives_numpy_its_own_back():
     threads = torch.get_num_threads()
     blas.set_num_threads(2)
     torch.set_num_threads(1)
-    matmul_kernels.numpy_blas().np = types.SimpleNamespace(matmul=matmul)
+    monkeypatch.setattr(matmul_kernels.numpy_blas(), "np", types.SimpleNamespace(matmul=matmul))
     try:
         a, b = matmul_kernels.operands(64, 32, 16, torch.float32, "rc")
         torch.testing.assert_close(matmul_kernels.openblas(a, b), a @ b)
         assert seen == [1] and blas.get_num_threads() == 2
     finally:
-        matmul_kernels.numpy_blas().np = np
         torch.set_num_threads(threads)
         blas.set_num_threads(before)
 
