@@ -14,7 +14,7 @@ memory.py, the count of a fake run's unbacked sizes in capture.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -275,19 +275,24 @@ def decomposition_table() -> dict:
     return table
 
 
+# Legacy vmap's dispatch key, parsed once: the pybind enum lacks it, and parsing its
+# name on each query costs ~3 us, four times per batched backward.
+_VMAP_MODE = torch._C._parse_dispatch_key("VmapMode")
+
+
 def legacy_vmap_level() -> int:
     """How deep eager's legacy vmap (``torch._vmap_internals``) is nested; 0 outside it."""
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
     level = torch._C._vmapmode_increment_nesting()
     torch._C._vmapmode_decrement_nesting()  # back at 0 it also turns the key off
     if keyed and level == 1:  # a device thread's key without its count (region_batching._legacy_level_of)
-        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+        torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, True)
     return level - 1
 
 
 def legacy_vmap_active() -> bool:
     """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
-    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
 
 
 def is_legacy_batched(t: torch.Tensor) -> bool:
@@ -310,14 +315,14 @@ def outside_legacy_vmap() -> Iterator[None]:
     for _ in range(depth):
         torch._C._vmapmode_decrement_nesting()
     # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included("VmapMode")
+    keyed = torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
     if keyed:
-        torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", False)
+        torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, False)
     try:
         yield
     finally:
         if keyed:
-            torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
+            torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, True)
         for _ in range(depth):
             torch._C._vmapmode_increment_nesting()
 
@@ -501,6 +506,29 @@ def engine_will_execute(node: Any) -> bool:
         if "leaf node was passed to _will_engine_execute_node" in str(e):
             return True
         raise
+
+
+def engine_will_execute_each(nodes: Sequence[Any]) -> tuple[bool, ...]:
+    """``engine_will_execute`` of each of the running node's next nodes (None: no edge).
+
+    A captured leaf's answer is an exception, which costs 30-50 us (a C++ error
+    with its backtrace), a tenth of a small call.  The node asking runs, so
+    autograd wants at least one of its edges: where every other edge is not
+    wanted, the last one's answer is yes without asking.  Leaves go last, and of
+    them the data last of all: a Jacobian or the forces are taken w.r.t. the
+    data, the parameters' grads by ``backward()``, where no answer raises."""
+    def data_leaf_last(k: int) -> tuple[bool, bool]:
+        leaf = type(nodes[k]).__name__ == "AccumulateGrad"
+        return leaf, leaf and not isinstance(nodes[k].variable, torch.nn.Parameter)
+
+    answers: list[bool | None] = [False if n is None else None for n in nodes]
+    order = sorted((k for k, n in enumerate(nodes) if n is not None), key=data_leaf_last)
+    for position, k in enumerate(order):
+        if position == len(order) - 1 and not any(answers):
+            answers[k] = True
+        else:
+            answers[k] = engine_will_execute(nodes[k])
+    return tuple(bool(a) for a in answers)
 
 
 def is_zero_tensor(t: torch.Tensor) -> bool:

@@ -95,9 +95,8 @@ class Direct:
                     f"inplace operation: [{a.type()} {list(a.shape)}] is at version {a._version}; "
                     f"expected version {version} instead (an input of a dynbatch-compiled graph)")
         region = self.region
-        edges = ctx.next_functions
-        needed = tuple(edges[e][0] is not None and _compat.engine_will_execute(edges[e][0])
-                       for e in self.diff_edges)
+        wanted = _compat.engine_will_execute_each([node for node, _ in ctx.next_functions])
+        needed = tuple(wanted[e] for e in self.diff_edges)
         out_grads = [(k, grads[nr]) for k, nr in self.output_nrs if grads[nr] is not None]
         result: list[Any] = [None] * len(args)
         if out_grads and any(needed):

@@ -188,13 +188,15 @@ _own_code.names = set()  # what Dynamo may compile of dynbatch's code: these pro
 # (torch._C._will_engine_execute_node on the edges out of our node).  For a
 # leaf that torch.autograd.grad captures it refuses to answer, and that refusal
 # means the grad is wanted (_compat.engine_will_execute), so leaves need no
-# stand-in.  Compiled backwards are cached per set of needed inputs.
+# stand-in; the node's last edge needs no asking where no other is wanted
+# (_compat.engine_will_execute_each).  Compiled backwards are cached per set of
+# needed inputs.
 
 def _needed(ctx, edges: Sequence[int]) -> tuple[bool, ...]:
     """Which of the node's edges (one per tensor argument of its forward) this
     backward call will use."""
-    nodes = [node for node, _ in ctx.next_functions]
-    return tuple(nodes[e] is not None and _compat.engine_will_execute(nodes[e]) for e in edges)
+    wanted = _compat.engine_will_execute_each([node for node, _ in ctx.next_functions])
+    return tuple(wanted[e] for e in edges)
 
 
 class _CallerAliases(threading.local):

@@ -579,10 +579,18 @@ def test_a_graph_from_a_warm_compile_cache_keeps_its_random_ops(tmp_path, monkey
 def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
     # NOTE [Only the grads a backward uses]: under torch.autograd.grad autograd refuses
     # to say whether it runs a captured leaf's accumulator; that refusal means "wanted".
-    from dynbatch._compat import engine_will_execute
+    # engine_will_execute_each gives the same answers, asking fewer: the data's leaf
+    # last, and not at all where no other edge is wanted.
+    from dynbatch import _compat
 
-    x, w, u = (torch.randn(3, requires_grad=True) for _ in range(3))
-    answers = []
+    x, u = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(3))
+    answers, each, asked = [], [], []
+    real = _compat.engine_will_execute
+
+    def counted(node):
+        asked[-1] += 1
+        return real(node)
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -591,15 +599,24 @@ def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
 
         @staticmethod
         def backward(ctx, g):
-            answers.append(tuple(engine_will_execute(node) for node, _ in ctx.next_functions))
+            nodes = [node for node, _ in ctx.next_functions]
+            answers.append(tuple(real(node) for node in nodes))
+            asked.append(0)
+            each.append(_compat.engine_will_execute_each(nodes))
             return g, g, g
 
     y = Probe.apply(x, w, u * 2).sum()
-    grad(y, x, retain_graph=True)  # x captured, w not asked for, u through a MulBackward
-    grad(y, [w, u], retain_graph=True)
-    y.backward(inputs=[x], retain_graph=True)
-    y.backward()
-    assert answers == [(True, False, False), (False, True, True), (True, False, False), (True, True, True)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_compat, "engine_will_execute", counted)
+        grad(y, x, retain_graph=True)  # x captured, w not asked for, u through a MulBackward
+        grad(y, [w, u], retain_graph=True)
+        grad(y, [w], retain_graph=True)
+        y.backward(inputs=[x], retain_graph=True)
+        y.backward()
+    assert answers == [(True, False, False), (False, True, True), (False, True, False), (True, False, False),
+                       (True, True, True)]
+    assert each == answers
+    assert asked == [2, 3, 3, 2, 3]
 
 
 @pytest.mark.parametrize("create_graph", [False, True], ids=["batched", "create_graph"])
