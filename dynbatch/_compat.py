@@ -327,6 +327,28 @@ def outside_legacy_vmap() -> Iterator[None]:
             torch._C._vmapmode_increment_nesting()
 
 
+@contextlib.contextmanager
+def ignored_shape_guards(shape_env: Any) -> Iterator[list[str]]:
+    """The guards a frozen ShapeEnv ignores in the block, as text (``expr == value``):
+    its ``_check_frozen`` (torch 2.11-2.14) sees each; its log names them only at INFO."""
+    seen: list[str] = []
+    check = getattr(shape_env, "_check_frozen", None)
+    if check is None:  # pragma: no cover - version guard: the counter still tells
+        yield seen
+        return
+
+    def noting(expr: Any, concrete_val: Any) -> None:
+        if shape_env.frozen:
+            seen.append(f"{expr} == {concrete_val}")
+        check(expr, concrete_val)
+
+    shape_env._check_frozen = noting
+    try:
+        yield seen
+    finally:
+        del shape_env._check_frozen
+
+
 # --- Inductor --------------------------------------------------------------------
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:

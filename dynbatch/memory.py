@@ -523,6 +523,9 @@ def refusing_new_shape_guards(context: Any) -> Iterator[None]:
         yield
         return
     ignored, guards = shape_env.counter["ignored_backward_guard"], len(shape_env.guards)
-    yield
+    with _compat.ignored_shape_guards(shape_env) as ignored_exprs:
+        yield
     if shape_env.counter["ignored_backward_guard"] > ignored or len(shape_env.guards) > guards:
-        raise RuntimeError("the lowering needed a new guard on the sizes, after the frame's guards were installed")
+        exprs = ignored_exprs or [str(g.expr) for g in shape_env.guards[guards:]]
+        raise RuntimeError("the lowering needed a new guard on the sizes, after the frame's guards were "
+                           f"installed: {', '.join(exprs) or 'unnamed'}")
