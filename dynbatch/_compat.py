@@ -84,10 +84,9 @@ def dynamo_exceptions() -> Any:
 
 
 def register_backend(fn: Callable, name: str) -> None:
-    """``register_backend`` unless ``name`` has a compiler already (the entry
-    point loaded it, or an earlier call): registering a name twice raises.
-    ``_COMPILER_FNS`` holds the loaded ones on 2.11-2.14; ``_BACKENDS`` may
-    hold the entry point itself (2.14) or None (2.13), so it cannot tell."""
+    """``register_backend`` unless ``name`` has a compiler already (registering twice raises).
+    ``_COMPILER_FNS`` holds the loaded ones on 2.11-2.14; ``_BACKENDS`` cannot tell (it may
+    hold the entry point itself, 2.14, or None, 2.13)."""
     from torch._dynamo.backends import registry
 
     if name not in getattr(registry, "_COMPILER_FNS", {}):
@@ -186,6 +185,20 @@ def aot_mutates_differentiable_input() -> bool:
     if infos is None:
         return True
     return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
+
+
+def aot_backward_graph(forward_cls: type) -> Any:
+    """The aten backward graph of an AOTAutograd ``CompiledFunction`` class, as traced: kept for
+    its lazy compile (2.11-2.14), compiled or not; None where not kept (a cached graph)."""
+    graph = getattr(getattr(forward_cls, "_lazy_backward_info", None), "bw_module", None)
+    return graph if isinstance(graph, torch.fx.GraphModule) else None
+
+
+def aot_saved_for_backward(ctx: Any) -> tuple[list, list, list]:
+    """(SymInts, tensors, opaque objects) an AOTAutograd node's forward saved, in its backward
+    graph's order (2.13 keeps tensors saved without a version check, and opaques, apart)."""
+    return (list(ctx.symints), [*ctx.saved_tensors, *getattr(ctx, "_tensors_no_vc_check", ())],
+            list(getattr(ctx, "opaque_objects", ())))
 
 
 def aot_mutated_inputs() -> tuple[int, ...]:
@@ -352,11 +365,8 @@ def ignored_shape_guards(shape_env: Any) -> Iterator[list[str]]:
 # --- Inductor --------------------------------------------------------------------
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
-    """Translate torch.compile's ``mode``/``options`` as the inductor backend does.
-
-    Reusing ``_TorchCompileInductorWrapper`` gives identical validation: an
-    unknown Inductor option raises the same error as under backend="inductor".
-    """
+    """Translate torch.compile's ``mode``/``options`` as the inductor backend does, with its
+    validation (``_TorchCompileInductorWrapper``: an unknown option raises as there)."""
     wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
     return dict(wrapper.config)
 
@@ -473,12 +483,8 @@ def tensor_or_tensors_to_tuple(tensors: Any, length: int) -> tuple:
 
 
 def shapes_for_message(output: Any, first_grad: Any, is_grads_batched: bool) -> tuple:
-    """The (output, grad) shapes eager prints in its mismatch message.
-
-    Eager slices the batch dimension off ``grad[0]`` again, so a batched
-    message shows ``grad.shape[2:]``; users compare our text with eager's, so
-    we reuse eager's helper rather than fix it here.
-    """
+    """The (output, grad) shapes eager prints in its mismatch message, by eager's own helper
+    (a batched message shows ``grad.shape[2:]``: users compare our text with eager's)."""
     return torch.autograd._calculate_shape(output, first_grad, is_grads_batched)
 
 
@@ -509,19 +515,15 @@ def has_tangent(t: torch.Tensor) -> bool:
 
 
 def backward_keeps_graph() -> bool:
-    """Whether the running backward keeps its graph (``retain_graph``, or
-    ``create_graph`` which implies it), as AOTAutograd asks before freeing."""
+    """Does the running backward keep its graph (``retain_graph``/``create_graph``)?"""
     return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def engine_will_execute(node: Any) -> bool:
-    """Whether the running backward will execute ``node``, or capture what reaches it.
-
-    Autograd refuses to answer for a leaf's accumulator that ``torch.autograd.grad``
-    captures, and only then: its check raises where the node should execute and
-    is a captured leaf (``topological_nr() == 0 && captures_`` in
-    ``_will_engine_execute_node``, unchanged since torch 1.13).  So the refusal
-    is itself the answer: that leaf's grad is wanted."""
+    """Will the running backward execute ``node``, or capture what reaches it?  Autograd
+    refuses to answer only for a leaf's accumulator that ``torch.autograd.grad`` captures
+    (``topological_nr() == 0 && captures_`` in ``_will_engine_execute_node``, since torch
+    1.13), so the refusal is itself the answer: that leaf's grad is wanted."""
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError as e:
@@ -609,10 +611,7 @@ def has_unbacked_symbols(x: Any) -> bool:
 
 def add_shape_guard(condition: Any) -> None:
     """Guard the compiled frame on a sympy condition of its size symbols (true at the example)."""
-    from torch._guards import TracingContext
-
-    context = TracingContext.try_get()
-    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    shape_env = getattr(getattr(tracing_context(), "fake_mode", None), "shape_env", None)
     if shape_env is not None:
         shape_env.evaluate_expr(condition)
 

@@ -75,6 +75,7 @@ def dynbatch_backend(
         random_ops=record.random_ops,
         mutates_differentiable_input=record.mutates_differentiable_input,
         mutated_inputs=record.mutated_inputs,
+        options=opts,
     )
     record.region = weakref.ref(graph_region)
     if opts.verify:

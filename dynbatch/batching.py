@@ -70,6 +70,32 @@ def is_batched_grad_call(node: torch.fx.Node) -> bool:
     return is_grad_call(node) and bool(node.kwargs.get("is_grads_batched", False))
 
 
+def frees_its_graph(node: torch.fx.Node) -> bool:
+    """A grad call that, eagerly, frees the autograd graph it differentiates (neither
+    ``retain_graph`` nor ``create_graph``; the batching pass retains it all the same:
+    NOTE [A grad that consumes returned tensors] in capture.py)."""
+    if not is_grad_call(node):
+        return False
+    try:
+        bound = _GRAD_SIGNATURE.bind_partial(*node.args, **node.kwargs).arguments
+    except TypeError:  # not a call eager would accept: assume the worst
+        return True
+    retain, create = bound.get("retain_graph"), bound.get("create_graph", False)
+    return not (retain if retain is not None else create)
+
+
+def creates_graph(node: torch.fx.Node) -> bool:
+    """A grad call with ``create_graph=True``: what it returns is differentiable, so a
+    backward through the graph that holds it is a double backward."""
+    if not is_grad_call(node):
+        return False
+    try:
+        bound = _GRAD_SIGNATURE.bind_partial(*node.args, **node.kwargs).arguments
+    except TypeError:  # not a call eager would accept: assume the worst
+        return True
+    return bound.get("create_graph", False) is not False
+
+
 def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
     """Rewrite batched grad calls in a copy of ``gm``; report what could not be."""
     if requires_grad_tracing.leaks_traced_requires_grad(gm):

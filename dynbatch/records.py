@@ -33,6 +33,8 @@ class CompileRecord:
     memory_budget: int | None = None  # bytes, as resolved when the graph compiled (memory.py)
     memory_plan: list = dataclasses.field(default_factory=list)  # memory.GradPlan per batched grad
     chunk_program: bool = False  # compiled as the chunk program of a chunked grad (chunking.py)
+    # compiled as AOTAutograd's backward graph batched over its cotangents (region_saved_backward.py)
+    saved_backward: bool = False
     # The region.Region this graph compiled into, while Dynamo's cache keeps it (a weak
     # reference: a record never keeps a graph alive); None where the graph fell back.
     # The benchmark's overhead command reaches a region's program through it.
@@ -61,8 +63,8 @@ class Stats:
     def add(self, record: CompileRecord) -> None:
         with self._lock:
             self.records.append(record)
-            if record.chunk_program:
-                self.counters["chunk_programs"] += 1
+            if record.chunk_program or record.saved_backward:
+                self.counters["chunk_programs" if record.chunk_program else "saved_backward_programs"] += 1
                 return
             self.counters["graphs"] += 1
             self.counters["grads_batched"] += len(record.batched)

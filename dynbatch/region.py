@@ -26,8 +26,11 @@ backward picks a path by what it receives (region_backward.backward):
 
 - plain grads: AOTAutograd's compiled backward (the inner graph);
 - batched grads from eager's ``is_grads_batched`` (the legacy vmap): the
-  batch dim is unwrapped, and a dynbatch-compiled batched backward of the same
-  program (recompute the forward, one vmapped backward, B symbolic) runs once;
+  batch dim is unwrapped, and AOTAutograd's backward graph, vmapped over the
+  cotangents, runs once on the activations its forward saved (B symbolic; NOTE
+  [Batched grads from the saved activations] in region_saved_backward.py); where
+  that is not exact, a dynbatch-compiled batched backward of the same program
+  (recompute the forward, one vmapped backward, B symbolic);
 - ``create_graph=True`` with plain grads: the program's vjp, itself a program
   compiled by dynbatch (recompute the forward, then the grad with
   ``create_graph=True``, in one graph), whose result is differentiable through
@@ -58,6 +61,7 @@ The modules of the region, each importing only those below it:
     region_direct.py        AOTAutograd's node in the caller's graph, its backward routed
     region_program.py       programs, and the autograd node their calls go through
     region_backward.py      the path a backward takes; the plain and batched paths
+    region_saved_backward.py  batched grads from AOTAutograd's saved activations
     region_create_graph.py  create_graph=True: grads at forward time, compiled vjp, eager
     region_aot_node.py      AOTAutograd's node: found, its backward called directly, routed
     region_batching.py      which vmap batches the grads a backward receives
@@ -73,7 +77,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import _compat, fx_utils, region_direct, requires_grad_tracing
+from . import _compat, batching, fx_utils, region_direct, requires_grad_tracing
 from .records import STATS
 from .region_args import merge, why_run_eagerly
 from .region_batching import batching_of
@@ -101,6 +105,7 @@ class Region:
         random_ops: Sequence[str] = (),
         mutates_differentiable_input: bool = False,
         mutated_inputs: Sequence[int] = (),
+        options: Any = None,
     ) -> None:
         # Dynamo's graph: re-run eagerly, or traced again for a compiled backward.
         self.gm = _compat.realized_graph_module(gm)
@@ -125,7 +130,8 @@ class Region:
         self.program = Program(
             graph_program(self.gm, is_input), recompile, "region",
             compiled=lambda inputs, others: self.compiled(*merge(is_input, inputs, others)),
-            random_ops=tuple(random_ops), region=self, written=tuple(others_at.index(i) for i in self.mutated))
+            random_ops=tuple(random_ops), region=self, written=tuple(others_at.index(i) for i in self.mutated),
+            options=options, recompute_batched=_why_batched_grads_recompute(self.gm))
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time] in region_create_graph.py); None until one has.
         self.with_grads: Program | None = None
@@ -222,7 +228,8 @@ class Region:
         (index, _), = out_grads
         self.with_grads = Program(with_grads_of(self.program.python, index, needed), self.program.recompile,
                                   "forward_with_grads", linear=(index, needed, self.n_outputs),
-                                  written=self.program.written)
+                                  written=self.program.written, options=self.program.options,
+                                  recompute_batched=self.program.recompute_batched)
 
     def learn_direct(self, outs: Sequence[Any], diff: Sequence[int], leaves: Sequence[torch.Tensor],
                      others: Sequence[Any]) -> None:
@@ -249,8 +256,8 @@ class Region:
 # warns, and its outputs keep AOTAutograd's first-order backward.
 
 # NOTE [Recomputes see the inputs as they were]
-# The batched, vjp and eager paths recompute the forward from the call's
-# arguments.  A graph that writes an input in place (a BatchNorm's running
+# The recomputing batched path, the vjp and the eager paths recompute the forward
+# from the call's arguments.  A graph that writes an input in place (a BatchNorm's running
 # statistics in training mode) would write it again on every recompute -- the
 # statistics updated twice per step -- and a graph that reads what it writes
 # would recompute from the written value.  So a region whose graph writes
@@ -266,6 +273,22 @@ class Region:
 # copies of the ones the graph writes (``Program.written``), and a vjp's node
 # saves the unwritten copies for its own recomputes: what is saved is never
 # written, and every order of derivative reads what the forward read.
+
+def _why_batched_grads_recompute(gm: torch.fx.GraphModule) -> str | None:
+    """Why a batched backward from outside must recompute the graph rather than run
+    AOTAutograd's backward over its saved activations, or None.  A grad inside that eagerly
+    frees the graph it consumed (NOTE [A grad that consumes returned tensors] in capture.py):
+    eager's backward through that graph raises, and so does the recompute (its eager re-run);
+    the saved activations, kept by the retained graph, would answer."""
+    if any(batching.frees_its_graph(node) for node in gm.graph.nodes):
+        return "a grad inside it frees the graph it differentiates, as eager's would"
+    if any(batching.creates_graph(node) for node in gm.graph.nodes):
+        # AOTAutograd's backward graph is then a double backward, whose vmapped program
+        # Inductor's C++ tiling took over 17 minutes to compile for MACE's Hessian rows
+        # (sympy), where the recompute path's program compiles in about 90 s.
+        return "it takes create_graph grads itself (its backward is a double backward)"
+    return None
+
 
 def _first_order_only(region: Region, outs: Any) -> Any:
     """Outputs of a graph that mutates a differentiable input: AOTAutograd's autograd,

@@ -7,7 +7,9 @@ node to the caller's graph, its class's backward routed to dynbatch's paths for
 create_graph and batched grads (NOTE [AOTAutograd's node in the caller's graph] in
 region_direct.py).  This module holds what that takes of autograd's and
 AOTAutograd's runtime: which node made a set of outputs, a node's backward run as
-the engine would run it, and the class's backward replaced once.
+the engine would run it, the class's backward replaced once, and a call of the node
+as a program's backward sees it (``AotCall``: which argument is which input, for
+region_saved_backward.py).
 
 Region logic, not a version shim, so it lives here rather than in ``_compat``; it
 reads AOTAutograd's ``CompiledFunction`` classes (``_forward_cls``, ``metadata``) and
@@ -17,7 +19,7 @@ autograd nodes' ``_input_metadata`` and ``variable`` itself.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -84,8 +86,25 @@ def backward_called_directly(inner, outputs, grads, leaves, needed) -> tuple | N
     """The plain backward of the inner graph by AOTAutograd's node alone, or None
     where the graph is not that one node over the leaves."""
     node = aot_backward_node(list(inner.values()))
-    if node is None:
+    pairs = None if node is None else _arguments_that_are_leaves(node, leaves)
+    if pairs is None:
         return None
+    by_output: dict[int, torch.Tensor] = {}
+    for k, g in zip(outputs, grads):
+        nr = inner[k].output_nr
+        by_output[nr] = g if nr not in by_output else by_output[nr] + g
+    node_grads = call_backward_node(node, by_output)
+    result: list[torch.Tensor | None] = [None] * len(leaves)
+    for i, target in pairs:
+        g = node_grads[i]
+        if g is not None and needed[target]:
+            result[target] = g if result[target] is None else result[target] + g
+    return tuple(result)
+
+
+def _arguments_that_are_leaves(node: Any, leaves: Sequence[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """(argument of the node's forward, leaf) for each argument that requires grad; None
+    where one is not a leaf's own accumulator."""
     position = {id(leaf): i for i, leaf in enumerate(leaves)}
     # The node's edges, in order, are those of its forward's arguments that require
     # grad (its other arguments, SymInts included, get no edge): the leaf of each.
@@ -94,14 +113,26 @@ def backward_called_directly(inner, outputs, grads, leaves, needed) -> tuple | N
     targets = [position.get(id(accumulated_tensor(edge))) for edge in edges]
     if len(edges) != len(wanted) or None in targets:
         return None
-    by_output: dict[int, torch.Tensor] = {}
-    for k, g in zip(outputs, grads):
-        nr = inner[k].output_nr
-        by_output[nr] = g if nr not in by_output else by_output[nr] + g
-    node_grads = call_backward_node(node, by_output)
-    result: list[torch.Tensor | None] = [None] * len(leaves)
-    for i, target in zip(wanted, targets):
-        g = node_grads[i]
-        if g is not None and needed[target]:
-            result[target] = g if result[target] is None else result[target] + g
-    return tuple(result)
+    return list(zip(wanted, targets))
+
+
+class AotCall(NamedTuple):
+    """One call of AOTAutograd's node as a program's backward sees it (region_saved_backward.py)."""
+
+    node: Any  # the node, which is also its ctx (what its forward saved)
+    input_at: tuple[int | None, ...]  # per argument of its forward: the program input it is, if any
+    output_nr: dict[int, int]  # the program's output -> the node's output
+
+
+def aot_call_over_leaves(inner: dict[int, torch.Tensor] | None,
+                         leaves: Sequence[torch.Tensor] | None) -> AotCall | None:
+    """The inner graph of a program's node as one call of AOTAutograd's node over the
+    leaves, or None where it is not that (NOTE [AOTAutograd's backward, called directly])."""
+    node = aot_backward_node(list(inner.values())) if inner else None
+    pairs = None if node is None else _arguments_that_are_leaves(node, leaves)
+    if pairs is None:
+        return None
+    input_at: list[int | None] = [None] * len(node.needs_input_grad)
+    for i, leaf in pairs:
+        input_at[i] = leaf
+    return AotCall(node, tuple(input_at), {k: t.output_nr for k, t in inner.items()})

@@ -3,9 +3,11 @@
 ``backward`` picks the path by what the call receives (NOTE [Region backward] in
 region.py; docs/design.md has the table): the grads computed at forward time and
 ``create_graph=True`` go to region_create_graph.py; plain grads run the inner
-graph, AOTAutograd's compiled backward (NOTE [Inner graph's lifetime]); batched
-grads run the program's compiled batched backward, or loop over the inner graph
-per sample where the graph draws random numbers, or re-run the program eagerly.
+graph, AOTAutograd's compiled backward (NOTE [Inner graph's lifetime]); legacy-batched
+grads run AOTAutograd's backward graph over the saved activations
+(region_saved_backward.py) or, where that is not exact, the program's compiled batched
+backward; batched grads loop over the inner graph per sample where the graph draws
+random numbers, and re-run the program eagerly where nothing compiled applies.
 Called by a program's node (region_program.py) and by AOTAutograd's routed node
 (region_direct.py).
 """
@@ -19,18 +21,22 @@ import torch
 
 from . import _compat
 from .records import STATS
-from .region_aot_node import backward_called_directly
+from .region_aot_node import aot_call_over_leaves, backward_called_directly
 from .region_args import select, spread
 from .region_batching import batching_of
 from .region_create_graph import EAGER, create_graph_backward, grads_from_forward
+from .region_saved_backward import SAVED, batched_grads
 
 # Counter names (dynbatch.counters()): a backward from outside answered by AOTAutograd's
-# compiled backward, by the program's compiled batched backward, or per sample.
+# compiled backward, by the program's compiled batched backward (which recomputes the
+# forward), or per sample; region_saved_backward.SAVED counts the saved activations' path.
 PLAIN, BATCHED, LOOP = "outside_plain", "outside_batched_compiled", "outside_per_sample"
 
 
-def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad):
-    """Pick the path for one backward call (NOTE [Region backward] in region.py)."""
+def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad, call=None):
+    """Pick the path for one backward call (NOTE [Region backward] in region.py).  ``call``:
+    AOTAutograd's node that made the outputs, where the caller knows it (region_direct.py);
+    otherwise it is found in the inner graph, if that is one such node over the leaves."""
     cotangents = [g for _, g in out_grads]
     batching = batching_of(cotangents)
     if program.linear is not None:
@@ -49,10 +55,16 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
         STATS.count(LOOP)
         return _per_sample(batching, out_grads, inner_backward)
     if batching.kind == "legacy":
-        with batching.unwrapped(out_grads) as (physical, _, rewrap):
-            grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
+        with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
+            # NOTE [Batched grads from the saved activations] in region_saved_backward.py
+            grads = batched_grads(program, call or aot_call_over_leaves(inner, leaves), physical, needed,
+                                  batch_size)
+            counter = SAVED
+            if grads is None:
+                grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
+                counter = BATCHED
         if grads is not None:
-            STATS.count(BATCHED)
+            STATS.count(counter)
             return rewrap(grads)
     program.log_once("batched", "dynbatch: batched grads through a compiled graph (%s vmap): "
                      "re-running it eagerly for the backward", batching.kind)

@@ -16,7 +16,7 @@ import torch
 
 from . import _compat, region_backward
 from .records import STATS
-from .region_aot_node import accumulated_tensor, aot_backward_node, route_backward
+from .region_aot_node import AotCall, accumulated_tensor, aot_backward_node, route_backward
 from .region_args import merge
 from .region_batching import batching_of
 
@@ -59,20 +59,23 @@ def learn(region: Any, outs: Sequence[Any], diff: Sequence[int], leaves: Sequenc
     forward_cls = route_backward(node, _routed_backward)
     if forward_cls is None:
         return None
+    # The node's forward takes the graph's arguments as they are (checked above).
+    input_at = tuple(region.diff_args.index(i) if region.is_input[i] else None for i in range(len(args)))
     return Direct(region, forward_cls, {k: outs[k].output_nr for k in diff},
-                  [tensor_args.index(i) for i in region.diff_args])
+                  [tensor_args.index(i) for i in region.diff_args], input_at)
 
 
 class Direct:
     """A region's calls that return AOTAutograd's outputs, and their routed backward."""
 
     def __init__(self, region: Any, forward_cls: type, output_nrs: dict[int, int],
-                 diff_edges: list[int]) -> None:
+                 diff_edges: list[int], input_at: tuple[int | None, ...]) -> None:
         self.region = region
         self.forward_cls = forward_cls  # AOTAutograd's CompiledFunction of this graph
         self.output_nrs = tuple(output_nrs.items())  # (graph output, the node's output) that need grad
         self.first = next(iter(output_nrs))
         self.diff_edges = diff_edges  # the node's edge of each differentiable input
+        self.input_at = input_at  # per argument: the differentiable input it is, if any
 
     def __call__(self, args: Sequence[Any], before: Sequence[Any] | None) -> tuple | None:
         """``before``: the arguments as a recompute must see them (None: ``args``)."""
@@ -102,8 +105,9 @@ class Direct:
         if out_grads and any(needed):
             inputs = [args[i] for i in region.diff_args]
             others = [a for i, a in enumerate(args) if not region.is_input[i]]
+            call = AotCall(ctx, self.input_at, dict(self.output_nrs))
             grads_in = region_backward.backward(region.program, inputs, None, others, None, out_grads, needed, (),
-                                                region.n_outputs)
+                                                region.n_outputs, call)
             for i, g in zip(region.diff_args, grads_in):
                 result[i] = g
         return tuple(result)

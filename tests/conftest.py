@@ -108,6 +108,17 @@ def fresh_dynamo():
     reset_all()
 
 
+@pytest.fixture
+def recompute_outside(monkeypatch):
+    """Legacy-batched grads taken outside a region recompute its forward (the program's
+    compiled batched backward, counted ``outside_batched_compiled``) instead of batching
+    AOTAutograd's backward over the saved activations (``outside_batched_saved``): for
+    tests of the recompute path, which stays the fallback of the saved one."""
+    from dynbatch import region_backward
+
+    monkeypatch.setattr(region_backward, "batched_grads", lambda *args: None)
+
+
 def compile_dynbatch(fn, *, options=None, fullgraph=True, **kwargs):
     """The one compile helper of the suite: ``options`` are merged over ``AOT_EAGER``
     (e.g. ``options={**INDUCTOR, "dynbatch.chunk_size": 2}``); ``kwargs`` such as

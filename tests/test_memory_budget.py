@@ -335,20 +335,39 @@ def test_several_grads_and_a_user_loop_over_chunks():
     assert len(plans()) == 3 and all(p.applied for p in plans())
 
 
-def test_grads_outside_the_region_within_a_budget():
+@pytest.mark.parametrize("path", ["saved", "recompute"])
+def test_grads_outside_the_region_within_a_budget(path, request):
+    if path == "recompute":
+        request.getfixturevalue("recompute_outside")
     x = torch.randn(4, 16, requires_grad=True)
     f = compile_dynbatch(lambda x: torch.tanh(torch.tanh(x @ W) @ W), options={"dynbatch.memory_budget": 2000},
                          fullgraph=False)
     V = torch.randn(12, 4, 16)
     out = grad(f(x), x, V, is_grads_batched=True)[0]
     assert_same_grads(out, loop_grads(torch.tanh(torch.tanh(x @ W) @ W), x, V)[0])
-    assert dynbatch.counters()["outside_batched_compiled"] == 1
+    assert dynbatch.counters()[f"outside_batched_{'saved' if path == 'saved' else 'compiled'}"] == 1
     assert any(p.applied for p in plans())
 
 
-def test_a_b_sweep_of_grads_outside_the_region_across_the_budget():
-    """The region's batched backward is a program compiled like any graph: across the
-    budget it keeps its two graphs too (NOTE [One dynamic graph across the budget])."""
+@pytest.mark.parametrize("path", ["saved", "recompute"])
+def test_a_b_sweep_of_grads_outside_the_region_across_the_budget(path, request):
+    """The region's batched backward keeps the budget at every B.  From the saved
+    activations: one program, B symbolic, called chunk by chunk where B does not fit.
+    Recomputing: a program compiled like any graph, which across the budget keeps its
+    two graphs too (NOTE [One dynamic graph across the budget])."""
+    if path == "recompute":
+        request.getfixturevalue("recompute_outside")
+    calls = []
+    if path == "saved":
+        from dynbatch import region_saved_backward
+
+        real_run = region_saved_backward._Program.run
+
+        def run(self, args):
+            calls.append(args[-1].shape[0])
+            return real_run(self, args)
+
+        request.getfixturevalue("monkeypatch").setattr(region_saved_backward._Program, "run", run)
     x = torch.randn(4, 16, requires_grad=True)
     f = compile_dynbatch(lambda x: torch.tanh(torch.tanh(x @ W) @ W), options={"dynbatch.memory_budget": 2000},
                          fullgraph=False)
@@ -357,8 +376,14 @@ def test_a_b_sweep_of_grads_outside_the_region_across_the_budget():
         out = grad(f(x), x, V, is_grads_batched=True)[0]
         assert_same_grads(out, loop_grads(torch.tanh(torch.tanh(x @ W) @ W), x, V)[0], msg=f"B={b}")
     c = dynbatch.counters()
-    # the region's graph, then its batched backward's static and dynamic graphs
-    assert c["graphs"] == 3 and c["outside_batched_compiled"] == 5 and c.get("grads_chunked") == 1, c
+    if path == "saved":
+        # the region's graph, one program for every B; 40 and 41 in even chunks
+        assert c["graphs"] == 1 and c["saved_backward_programs"] == 1 and c["outside_batched_saved"] == 5, c
+        # about 650 bytes a sample: 3 fit, larger B run in even chunks of 3 or 2
+        assert calls[:2] == [2, 3] and set(calls[2:]) == {2, 3} and sum(calls) == 2 + 3 + 40 + 4 + 41, calls
+    else:
+        # the region's graph, then its batched backward's static and dynamic graphs
+        assert c["graphs"] == 3 and c["outside_batched_compiled"] == 5 and c.get("grads_chunked") == 1, c
 
 
 # --- what is not chunked, and why ---------------------------------------------------

@@ -89,7 +89,7 @@ def test_functional_hessian_of_an_index_add_energy_outside(dtype):
     compiled = compile_dynbatch(energy, options=INDUCTOR)
     got = torch.autograd.functional.hessian(compiled, r0, vectorize=True)
     torch.testing.assert_close(got, expected, **_tolerance(dtype))
-    assert dynbatch.counters()["outside_batched_compiled"] >= 1
+    assert dynbatch.counters()["outside_batched_saved"] >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -495,4 +495,4 @@ def test_attention_without_dropout_is_not_a_random_op():
     jacobian = functools.partial(torch.autograd.functional.jacobian, inputs=x, vectorize=True)
     torch.testing.assert_close(jacobian(compiled), jacobian(block))
     assert dynbatch.compile_records()[0].random_ops == ()
-    assert dynbatch.counters()["outside_batched_compiled"] >= 1
+    assert dynbatch.counters()["outside_batched_saved"] >= 1

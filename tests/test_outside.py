@@ -5,7 +5,10 @@ the autograd APIs they already use: Hessians, batched Jacobians, create_graph,
 retain_graph, torch.func.  Every test compares with eager PyTorch on the same
 program and asserts, through dynbatch's counters, which backward path ran
 (NOTE [Region backward]): ``outside_plain`` (AOTAutograd's compiled backward),
-``outside_batched_compiled`` (one dynbatch-compiled batched backward),
+``outside_batched_saved`` (AOTAutograd's backward graph vmapped over the cotangents,
+from the saved activations; tests/test_outside_saved.py), ``outside_batched_compiled``
+(one dynbatch-compiled batched backward that recomputes the forward; the
+``recompute_outside`` fixture forces it),
 ``outside_eager`` (the captured graph re-run eagerly: create_graph, torch.func
 vmap), ``outside_per_sample`` (random ops), ``eager_calls`` (a call with
 forward-mode tangents).
@@ -33,8 +36,8 @@ grad = torch.autograd.grad
 
 
 def paths() -> dict[str, int]:
-    names = ("outside_plain", "outside_batched_compiled", "outside_vjp_compiled", "outside_eager",
-             "outside_per_sample", "eager_calls")
+    names = ("outside_plain", "outside_batched_saved", "outside_batched_compiled", "outside_vjp_compiled",
+             "outside_eager", "outside_per_sample", "eager_calls")
     return {k: v for k, v in dynbatch.counters().items() if k in names}
 
 
@@ -63,12 +66,13 @@ def test_hessian_of_a_compiled_function_is_not_zeros(vectorize):
     assert_same_grads(got, want)
     # The first grad is create_graph=True: a compiled vjp, whose own backward runs
     # compiled too (vectorize: the vjp's batched backward).
-    want_paths = {"outside_vjp_compiled": 1, "outside_batched_compiled" if vectorize else "outside_plain": 1 if vectorize else 5}
+    want_paths = {"outside_vjp_compiled": 1,
+                  "outside_batched_saved" if vectorize else "outside_plain": 1 if vectorize else 5}
     assert paths() == want_paths, paths()
 
 
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
-def test_batched_jacobian_of_a_compiled_model_runs_one_compiled_batched_backward(options):
+def test_batched_jacobian_of_a_compiled_model_runs_one_compiled_batched_backward(options, recompute_outside):
     model = mlp()
     m = compile_dynbatch(model, options=options, fullgraph=False)
     x = x64(2, 4)
@@ -124,7 +128,7 @@ def test_batched_jacobian_of_a_compiled_model_on_a_device_thread_runs_compiled(m
         V = torch.randn(B, 2, 3, dtype=torch.float64)
         got = grad(m(x), x, V, is_grads_batched=True)[0]
         assert_same_grads(got, grad(model(x), x, V, is_grads_batched=True)[0], msg=f"B={B}")
-    assert paths() == {"outside_batched_compiled": 3}, paths()
+    assert paths() == {"outside_batched_saved": 3}, paths()
 
 
 def test_batched_grads_outside_a_dynamic_region_run_compiled():
@@ -139,7 +143,9 @@ def test_batched_grads_outside_a_dynamic_region_run_compiled():
         V = torch.randn(5, n, n, dtype=torch.float64)
         assert_same_grads(grad(c(x), x, V, is_grads_batched=True)[0],
                           grad(pair_sq(x), x, V, is_grads_batched=True)[0], msg=f"n={n}")
-    assert paths() == {"outside_batched_compiled": 3}, paths()
+    assert paths() == {"outside_batched_saved": 3}, paths()
+    # n = 4 compiled the static region's backward; n = 6 and 8 share the dynamic one's.
+    assert dynbatch.counters()["saved_backward_programs"] == 2, dynbatch.counters()
 
 
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
@@ -184,6 +190,7 @@ def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function
     V = torch.randn(6, *out.shape, dtype=torch.float64)
     assert_same_grads(grad(out, x, V, is_grads_batched=True)[0],
                       grad(inner(x), x, V, is_grads_batched=True)[0])
+    # A create_graph grad inside: the saved activations' program would be a double backward.
     assert paths() == {"outside_batched_compiled": 1}
 
 
@@ -444,7 +451,7 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
     # batched, w.r.t. the data only
     V = x64(6, 5, 3)
     assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0], grad(model(x), x, V, is_grads_batched=True)[0])
-    assert paths()["outside_batched_compiled"] == 1 and paths()["outside_vjp_compiled"] >= 1
+    assert paths()["outside_batched_saved"] == 1 and paths()["outside_vjp_compiled"] >= 1
     # an input changed in place after the forward: no stale recompute
     out = m(x)
     with torch.no_grad():
@@ -455,7 +462,7 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
 
 
 @pytest.mark.parametrize("create_graph", [False, True], ids=["batched", "create_graph"])
-def test_recomputes_leave_running_statistics_as_eager_does(create_graph):
+def test_recomputes_leave_running_statistics_as_eager_does(create_graph, recompute_outside):
     # NOTE [Recomputes see the inputs as they were]: a BatchNorm in training mode writes its
     # running statistics; a grad from outside that recomputes the forward must not write them again.
     torch.manual_seed(0)
@@ -516,7 +523,7 @@ SECOND_DERIVATIVES = {
     "twice_from_one_forward": (_twice_from_one_forward, False, "outside_vjp_compiled"),
     "hessian": (lambda m, x: AF.hessian(lambda x: m(x).pow(2).sum(), x), False, "outside_vjp_compiled"),
     "hessian_vectorized": (lambda m, x: AF.hessian(lambda x: m(x).pow(2).sum(), x, vectorize=True), False,
-                           "outside_batched_compiled"),
+                           "outside_batched_saved"),
     "forces_at_forward": (_forces, True, "outside_grads_at_forward"),
 }
 
@@ -619,22 +626,32 @@ def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
     assert asked == [2, 3, 3, 2, 3]
 
 
-@pytest.mark.parametrize("create_graph", [False, True], ids=["batched", "create_graph"])
-def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, create_graph):
+@pytest.mark.parametrize("path", ["batched_saved", "batched_recompute", "create_graph"])
+def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, path):
     # NOTE [Only the grads a backward uses]: a batched Jacobian or the forces w.r.t. a leaf
     # x of a model whose parameters require grad asks the compiled backward for x's grads only.
+    from dynbatch import region_backward, region_saved_backward
+
     asked = []
     real_vjp = dynbatch.region_program.Program.vjp
+    real_program = region_saved_backward._Program.__init__
 
     def vjp(self, receives, needed, *, batched=False):
         asked.append(needed)
         return real_vjp(self, receives, needed, batched=batched)
 
+    def saved_program(self, graph, n_saved, wanted, *args):
+        asked.append(wanted)
+        real_program(self, graph, n_saved, wanted, *args)
+
     monkeypatch.setattr(dynbatch.region_program.Program, "vjp", vjp)
+    monkeypatch.setattr(region_saved_backward._Program, "__init__", saved_program)
+    if path == "batched_recompute":
+        monkeypatch.setattr(region_backward, "batched_grads", lambda *args: None)
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
-    if create_graph:
+    if path == "create_graph":
         got = grad(m(x).sum(), x, create_graph=True)[0]
         want = grad(model(x).sum(), x, create_graph=True)[0]
         assert got.requires_grad
@@ -643,10 +660,13 @@ def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, create_graph
         V = x64(6, 5, 3)
         got = grad(m(x), x, V, is_grads_batched=True)[0]
         want = grad(model(x), x, V, is_grads_batched=True)[0]
-        assert paths() == {"outside_batched_compiled": 1}
+        assert paths() == {"outside_batched_saved" if path == "batched_saved" else "outside_batched_compiled": 1}
     assert_same_grads(got, want)
     # One compiled backward, asked for one grad of the region's five inputs (x, 2 weights, 2 biases).
     assert [(len(needed), sum(needed)) for needed in asked] == [(5, 1)], asked
+    if path == "batched_saved":  # the weights' grads are dead code in the program, not computed and dropped
+        program, = (r for r in dynbatch.compile_records() if r.saved_backward)
+        assert program.aten_graphs[-1].splitlines()[-1].count("%") == 1, program.aten_graphs[-1]
 
 
 def test_no_inductor_deprecation_warnings_leak(tmp_path, monkeypatch):

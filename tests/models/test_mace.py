@@ -71,7 +71,7 @@ def test_hessian_rows_outside_the_compiled_model(first_call):
         return torch.autograd.grad(forces, pos, basis, is_grads_batched=True)[0]
 
     torch.testing.assert_close(first_call(hessian, compiled), hessian(model), **CLOSE)
-    assert dynbatch.counters()["outside_batched_compiled"] >= 1
+    assert sum(dynbatch.counters().get(k, 0) for k in ("outside_batched_saved", "outside_batched_compiled")) >= 1
 
 
 def test_own_hessian_is_one_batched_graph(first_call):

@@ -95,4 +95,4 @@ def test_hessian(first_call):
         return torch.autograd.functional.hessian(lambda p: m(z, p, batch).sum(), pos, vectorize=True)
 
     torch.testing.assert_close(first_call(hessian, compiled), hessian(model), **CLOSE)
-    assert dynbatch.counters()["outside_batched_compiled"] >= 1
+    assert sum(dynbatch.counters().get(k, 0) for k in ("outside_batched_saved", "outside_batched_compiled")) >= 1

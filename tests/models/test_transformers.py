@@ -40,7 +40,7 @@ def test_jacobian(first_call, attention):
         return torch.autograd.functional.jacobian(lambda t: _out(m(t)), x, vectorize=True)
 
     torch.testing.assert_close(first_call(jacobian, compiled), jacobian(block), **CLOSE)
-    assert dynbatch.counters()["outside_batched_compiled"] >= 1
+    assert sum(dynbatch.counters().get(k, 0) for k in ("outside_batched_saved", "outside_batched_compiled")) >= 1
 
 
 def test_per_sample_grads(first_call):
@@ -55,7 +55,7 @@ def test_per_sample_grads(first_call):
 
     for g, e in zip(first_call(per_sample, compiled), per_sample(block), strict=True):
         torch.testing.assert_close(g, e, **CLOSE)
-    assert dynbatch.counters()["outside_batched_compiled"] >= 1
+    assert sum(dynbatch.counters().get(k, 0) for k in ("outside_batched_saved", "outside_batched_compiled")) >= 1
 
 
 def test_hessian_vector_product(first_call):

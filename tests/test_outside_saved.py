@@ -1,0 +1,269 @@
+"""Batched grads outside a compiled model from AOTAutograd's saved activations
+(NOTE [Batched grads from the saved activations] in dynbatch/region_saved_backward.py).
+
+A user compiles the model and takes ``is_grads_batched`` grads or
+``jacobian(vectorize=True)`` outside it: AOTAutograd's backward graph runs under
+vmap over the cotangents, on what the forward saved (counted
+``outside_batched_saved``), compiled once per set of needed grads with B symbolic
+(``saved_backward_programs``), and no forward is recomputed.  Where that is not
+exact the recompute path answers (``outside_batched_compiled``).  Every value is
+compared with eager PyTorch on the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.autograd.functional as AF
+
+import dynbatch
+from conftest import INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
+
+grad = torch.autograd.grad
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.GELU(),
+                               torch.nn.Linear(8, 3)).double()
+
+
+def x64(*shape, requires_grad=False):
+    torch.manual_seed(1)
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=requires_grad)
+
+
+def counts() -> dict[str, int]:
+    return dynbatch.counters()
+
+
+def saved_programs() -> list:
+    return [r for r in dynbatch.compile_records() if r.saved_backward]
+
+
+def test_jacobian_of_a_module_runs_its_backward_graph_over_the_saved_activations():
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(2, 4)
+    for _ in range(2):  # the first call through dynbatch's node, the second through AOTAutograd's
+        assert_same_grads(AF.jacobian(m, x, vectorize=True), AF.jacobian(model, x, vectorize=True))
+    c = counts()
+    # One Dynamo graph (the model's): no second frame that recomputes the forward.
+    assert c["graphs"] == 1 and c["outside_batched_saved"] == 2 and c["saved_backward_programs"] == 1, c
+    assert "outside_batched_compiled" not in c and "outside_eager" not in c, c
+    # The program is AOTAutograd's backward under vmap: the forward's products are not in it.
+    (program,) = saved_programs()
+    assert program.aten_graphs[-1].count("aten.tanh.default") == 0, program.aten_graphs[-1]
+
+
+@pytest.mark.parametrize("options", [INDUCTOR, None], ids=["inductor", "aot_eager"])
+def test_batch_sizes_share_one_program(options):
+    model = mlp()
+    m = compile_dynbatch(model, options=options, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    for B in (3, 7, 2, 16):
+        V = torch.randn(B, 5, 3, dtype=torch.float64)
+        assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0],
+                          grad(model(x), x, V, is_grads_batched=True)[0], msg=f"B={B}")
+    c = counts()
+    # B is symbolic from the first call: one program for every B, and no Dynamo recompile.
+    assert c["graphs"] == 1 and c["saved_backward_programs"] == 1 and c["outside_batched_saved"] == 4, c
+    (program,) = saved_programs()
+    assert "f64[s0, 5, 3] = input" in program.aten_graphs[-1], program.aten_graphs[-1]
+
+
+def test_a_first_batch_of_one_compiles_for_it_then_for_every_other():
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    for B in (1, 4, 9, 1):
+        V = torch.randn(B, 5, 3, dtype=torch.float64)
+        assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0],
+                          grad(model(x), x, V, is_grads_batched=True)[0], msg=f"B={B}")
+    c = counts()
+    assert c["saved_backward_programs"] == 2 and c["outside_batched_saved"] == 4, c
+
+
+def test_each_set_of_needed_grads_computes_those_alone():
+    # NOTE [Only the grads a backward uses]: the backward graph's other grads are dead code.
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    weights = [model[0].weight, model[4].bias]
+    V = torch.randn(6, 5, 3, dtype=torch.float64)
+    for wrt in ([x], weights, [x, *weights], [x], list(model.parameters())):
+        assert_same_grads(grad(m(x), wrt, V, is_grads_batched=True), grad(model(x), wrt, V, is_grads_batched=True),
+                          msg=f"{len(wrt)} inputs")
+    c = counts()
+    assert c["graphs"] == 1 and c["outside_batched_saved"] == 5 and c["saved_backward_programs"] == 4, c
+    returned = [p.aten_graphs[-1].splitlines()[-1].count("%") for p in saved_programs()]
+    assert returned == [1, 2, 3, 6], returned
+
+
+def test_a_graph_retained_answers_again_and_then_is_freed():
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    m(x)  # the later calls put AOTAutograd's node in the caller's graph
+    out, want = m(x), model(x)
+    V1, V2 = torch.randn(3, 5, 3, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    assert_same_grads(grad(out, x, V1, is_grads_batched=True, retain_graph=True)[0],
+                      grad(want, x, V1, is_grads_batched=True, retain_graph=True)[0])
+    assert_same_grads(grad(out, x, V2, is_grads_batched=True)[0], grad(want, x, V2, is_grads_batched=True)[0])
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        grad(out, x, V1, is_grads_batched=True)
+    assert counts()["outside_batched_saved"] == 2, counts()
+
+
+def test_an_input_changed_in_place_after_the_forward_raises_as_eager():
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    m(x)
+    out = m(x)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(out, x, torch.randn(3, 5, 3, dtype=torch.float64), is_grads_batched=True)
+
+
+def test_an_output_in_its_own_layout_gets_tangents_in_that_layout():
+    # The output's strides are the transpose's (static shapes: AOTAutograd traced its
+    # backward with tangents in the output's own layout), and a model with weights.
+    torch.manual_seed(0)
+    w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        return (x @ w).t() * 2
+
+    x = x64(5, 4, requires_grad=True)
+    c = compile_dynbatch(f, fullgraph=False)
+    assert not c(x).is_contiguous()
+    V = torch.randn(7, 6, 5, dtype=torch.float64)
+    for _ in range(2):
+        assert_same_grads(grad(c(x), [x, w], V, is_grads_batched=True), grad(f(x), [x, w], V, is_grads_batched=True))
+    assert counts()["outside_batched_saved"] == 2, counts()
+
+
+def test_a_graph_that_writes_running_statistics_writes_them_once():
+    # No recompute: the running statistics of a BatchNorm in training mode are what eager's are.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 3)).double()
+    twin = copy.deepcopy(model)
+    m = compile_dynbatch(twin, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    V = torch.randn(4, 5, 3, dtype=torch.float64)
+    for _ in range(3):
+        assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0], grad(model(x), x, V, is_grads_batched=True)[0])
+        assert_same_grads(tuple(twin.buffers()), tuple(model.buffers()))
+    assert counts()["outside_batched_saved"] == 3, counts()
+
+
+def test_a_memory_budget_runs_the_program_in_chunks():
+    model = mlp()
+    m = compile_dynbatch(model, options={"dynbatch.memory_budget": 4096}, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    V = torch.randn(40, 5, 3, dtype=torch.float64)
+    assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0], grad(model(x), x, V, is_grads_batched=True)[0])
+    (program,) = saved_programs()
+    (plan,) = program.memory_plan
+    assert plan.applied and plan.chunks > 1 and plan.chunk_size * plan.bytes_per_sample <= 4096, plan
+    assert counts()["saved_backward_programs"] == 1, counts()
+
+
+# --- where the recompute path answers -------------------------------------------------
+
+def test_an_output_that_aliases_an_input_recomputes(caplog):
+    # AOTAutograd regenerates an output that is a view of an input outside its node: the
+    # outputs are not one node's, whose saved activations would answer.  The recompute
+    # path answers, with the reason logged.
+    model = mlp()
+
+    def f(x):
+        return model(x), x.t()
+
+    c = compile_dynbatch(f, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    V = (torch.randn(3, 5, 3, dtype=torch.float64), torch.randn(3, 4, 5, dtype=torch.float64))
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        for _ in range(2):
+            assert_same_grads(grad(c(x), x, V, is_grads_batched=True)[0], grad(f(x), x, V, is_grads_batched=True)[0])
+    c = counts()
+    assert c["outside_batched_compiled"] == 2 and "outside_batched_saved" not in c, c
+    assert "not from its saved activations: its outputs do not come from one AOTAutograd node" in caplog.text
+
+
+def test_deterministic_algorithms_turned_on_after_the_compile_recompute(caplog):
+    # AOTAutograd refuses its backward then; the recompute compiles under the new setting.
+    model = mlp()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    m(x)
+    out = m(x)
+    V = torch.randn(3, 5, 3, dtype=torch.float64)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with caplog.at_level(logging.INFO, logger="dynbatch"):
+            got = grad(out, x, V, is_grads_batched=True)[0]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_same_grads(got, grad(model(x), x, V, is_grads_batched=True)[0])
+    assert counts()["outside_batched_compiled"] == 1 and "outside_batched_saved" not in counts(), counts()
+    assert "deterministic algorithms" in caplog.text, caplog.text
+
+
+def test_random_ops_loop_per_sample_over_the_compiled_backward():
+    # Dropout's mask is the forward's: the per-sample loop over AOTAutograd's own backward.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)).double()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    out = m(x)
+    V = torch.randn(3, 5, 3, dtype=torch.float64)
+    got = grad(out, x, V, is_grads_batched=True, retain_graph=True)[0]
+    assert_same_grads(got, loop_grads(out, x, V)[0])
+    c = counts()
+    assert c["outside_per_sample"] == 1 and "outside_batched_saved" not in c, c
+
+
+def test_a_graph_a_grad_inside_freed_recomputes_and_raises_as_eager():
+    # NOTE [A grad that consumes returned tensors]: the grad inside is traced retaining y's
+    # graph, so the saved activations would answer; eager's second backward raises.
+    def f(x, V):
+        y = torch.exp(x)
+        first = grad(y, x, V, is_grads_batched=True)
+        return first, grad(y, x, V, is_grads_batched=True)
+
+    x, V = x64(3, requires_grad=True), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        f(x, V)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        compile_dynbatch(f, fullgraph=False)(x, V)
+    assert counts()["graphs"] == 1 and "outside_batched_saved" not in counts(), counts()
+
+
+def test_forces_in_the_forward_recompute_for_hessian_rows_outside(caplog):
+    # A force field that returns its forces (create_graph=True inside): AOTAutograd's
+    # backward graph is a double backward, whose vmapped program Inductor can take many
+    # minutes to compile (MACE's Hessian rows).  The recompute path answers, logged.
+    model = mlp()
+
+    def energy_and_forces(pos):
+        pos = pos.detach().requires_grad_() if not pos.requires_grad else pos
+        e = model(pos).pow(2).sum()
+        return e, -grad(e, pos, create_graph=True)[0]
+
+    c = compile_dynbatch(energy_and_forces, fullgraph=False)
+    pos = x64(5, 4, requires_grad=True)
+    V = torch.randn(6, 5, 4, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        for _ in range(2):
+            got = grad(c(pos)[1], pos, V, is_grads_batched=True)[0]
+            assert_same_grads(got, grad(energy_and_forces(pos)[1], pos, V, is_grads_batched=True)[0])
+    n = counts()
+    assert n["outside_batched_compiled"] == 2 and "outside_batched_saved" not in n, n
+    assert "takes create_graph grads itself" in caplog.text, caplog.text
