@@ -340,6 +340,15 @@ def outside_legacy_vmap() -> Iterator[None]:
             torch._C._vmapmode_increment_nesting()
 
 
+def _guarding_frames(most: int = 2) -> str:
+    """The innermost frames that asked for a guard, past the ShapeEnv's and sympy's own."""
+    import traceback
+
+    skip = ("/torch/fx/experimental/", "/sympy/", "/torch/utils/_sympy/", "/torch/__init__.py", __file__)
+    frames = [f for f in traceback.extract_stack()[:-2] if not any(s in f.filename for s in skip)]
+    return "; ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" for f in reversed(frames[-most:]))
+
+
 @contextlib.contextmanager
 def ignored_shape_guards(shape_env: Any) -> Iterator[list[str]]:
     """The guards a frozen ShapeEnv ignores in the block, as text (``expr == value``):
@@ -352,7 +361,7 @@ def ignored_shape_guards(shape_env: Any) -> Iterator[list[str]]:
 
     def noting(expr: Any, concrete_val: Any) -> None:
         if shape_env.frozen:
-            seen.append(f"{expr} == {concrete_val}")
+            seen.append(f"{expr} == {concrete_val} (at {_guarding_frames()})")
         check(expr, concrete_val)
 
     shape_env._check_frozen = noting
