@@ -258,6 +258,27 @@ def gelu_backward(batch: Batch, grad_output: torch.Tensor, self: torch.Tensor, *
     return aten.gelu_backward.default(grad_output, self, approximate=approximate)
 
 
+def _inductor_fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.ops.prims.fma.default(a, b, c)
+
+
+@batch_rule(_inductor_fma)
+def fma(batch: Batch, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Inductor's ``prims.fma`` (its ``_softmax_backward_data`` decomposition, so
+    AOTAutograd's backward graphs of softmax, which the saved activations' path vmaps)
+    has no functorch rule: the per-sample fallback would unroll B.  It broadcasts like
+    ``a * b + c``: each operand gets the batch dim in front, the unbatched ones a 1
+    there, and 1s after it up to the widest operand's rank."""
+    rank = max(t.dim() - batch.batched(t) for t in (a, b, c))
+
+    def aligned(t: torch.Tensor) -> torch.Tensor:
+        front = t.shape[:1] if batch.batched(t) else (1,)
+        rest = t.shape[1:] if batch.batched(t) else t.shape
+        return t.reshape(*front, *(1,) * (rank - len(rest)), *rest)
+
+    return _inductor_fma(aligned(a), aligned(b), aligned(c))
+
+
 @batch_rule("_cdist_backward", expand=True)
 def cdist_backward(batch: Batch, grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: float,
                    cdist: torch.Tensor):
@@ -725,9 +746,20 @@ def all_rules() -> dict:
     }
 
 
-def symbolic_batch_rules() -> contextlib.AbstractContextManager:
+def prims_rules() -> dict:
+    """Rules for ops of the ``prims`` namespace that backward graphs hold (Inductor's
+    decompositions make them; its prims are defined once ``inductor_prims`` is imported)."""
+    import torch._inductor.inductor_prims  # noqa: F401, PLC0415 - defines prims.fma
+
+    return {"fma": fma}
+
+
+@contextlib.contextmanager
+def symbolic_batch_rules() -> Iterator[None]:
     """Our rules in place of functorch's (or of its per-sample fallback), until the context exits."""
-    return override_kernels("aten", all_rules(), "FuncTorchBatched")
+    with override_kernels("aten", all_rules(), "FuncTorchBatched"), \
+            override_kernels("prims", prims_rules(), "FuncTorchBatched"):
+        yield
 
 
 @contextlib.contextmanager

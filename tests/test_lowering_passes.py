@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynbatch
 from dynbatch import batch_rules
@@ -243,6 +244,32 @@ def test_gelu_backward_rule_equals_functorchs(case, approximate):
     with batch_rules.symbolic_batch_rules():
         got = torch.func.vmap(fn, in_dims=in_dims)(g, x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+_FMA_CASES = {  # in_dims, shapes of a, b, c (B = 5): softmax's backward, fma(-y, sum(g*y), g*y)
+    "all batched": ((0, 0, 0), (5, 3, 4), (5, 3, 1), (5, 3, 4)),
+    "sum unbatched": ((0, None, 0), (5, 3, 4), (3, 1), (5, 3, 4)),
+    "one batched, bdim 1": ((None, 1, None), (3, 4), (3, 5, 1), (3, 4)),
+    "ranks differ": ((0, 0, None), (5, 2, 3, 4), (5, 4), (3, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(_FMA_CASES))
+def test_inductors_fma_rule_is_one_batched_op_equal_to_the_loop(case):
+    import torch._inductor.inductor_prims  # noqa: F401 - defines prims.fma
+
+    in_dims, *shapes = _FMA_CASES[case]
+    a, b, c = (torch.randn(s, dtype=torch.float64) for s in shapes)
+    fma = torch.ops.prims.fma.default
+    want = torch.stack([fma(*(t if d is None else t.select(d, i) for t, d in zip((a, b, c), in_dims)))
+                        for i in range(5)])
+    batched = functools.partial(torch.func.vmap(fma, in_dims=in_dims))
+    with batch_rules.symbolic_batch_rules():
+        got = batched(a, b, c)
+        # One fma over a symbolic B (functorch's fallback runs it once per sample).
+        traced = make_fx(batched, tracing_mode="symbolic")(a, b, c)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert [n.target for n in traced.graph.nodes].count(fma) == 1, traced.code
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 2.0, float("inf")])

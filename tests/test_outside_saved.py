@@ -267,3 +267,19 @@ def test_forces_in_the_forward_recompute_for_hessian_rows_outside(caplog):
     n = counts()
     assert n["outside_batched_compiled"] == 2 and "outside_batched_saved" not in n, n
     assert "takes create_graph grads itself" in caplog.text, caplog.text
+
+
+def test_softmax_backward_stays_one_program_across_batch_sizes():
+    # AOTAutograd's backward graph of softmax holds Inductor's prims.fma, which has no
+    # functorch rule: its per-sample fallback would read B as an int (a program per B,
+    # then the recompute path).  batch_rules.fma keeps one program, B symbolic.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Softmax(dim=-1), torch.nn.Linear(6, 3)).double()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(5, 4, requires_grad=True)
+    for b in (3, 7, 11):
+        V = torch.randn(b, 5, 3, dtype=torch.float64)
+        assert_same_grads(grad(m(x), x, V, is_grads_batched=True)[0], grad(model(x), x, V, is_grads_batched=True)[0])
+    c = counts()
+    assert c["outside_batched_saved"] == 3 and c["saved_backward_programs"] == 1, c
+    assert "outside_batched_compiled" not in c, c
