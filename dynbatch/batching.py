@@ -70,15 +70,22 @@ def is_batched_grad_call(node: torch.fx.Node) -> bool:
     return is_grad_call(node) and bool(node.kwargs.get("is_grads_batched", False))
 
 
+def _grad_arguments(node: torch.fx.Node) -> dict | None:
+    """A grad call's arguments by name; None where eager would refuse the call."""
+    try:
+        return _GRAD_SIGNATURE.bind_partial(*node.args, **node.kwargs).arguments
+    except TypeError:
+        return None
+
+
 def frees_its_graph(node: torch.fx.Node) -> bool:
     """A grad call that, eagerly, frees the autograd graph it differentiates (neither
     ``retain_graph`` nor ``create_graph``; the batching pass retains it all the same:
     NOTE [A grad that consumes returned tensors] in capture.py)."""
     if not is_grad_call(node):
         return False
-    try:
-        bound = _GRAD_SIGNATURE.bind_partial(*node.args, **node.kwargs).arguments
-    except TypeError:  # not a call eager would accept: assume the worst
+    bound = _grad_arguments(node)
+    if bound is None:  # not a call eager would accept: assume the worst
         return True
     retain, create = bound.get("retain_graph"), bound.get("create_graph", False)
     return not (retain if retain is not None else create)
@@ -89,11 +96,8 @@ def creates_graph(node: torch.fx.Node) -> bool:
     backward through the graph that holds it is a double backward."""
     if not is_grad_call(node):
         return False
-    try:
-        bound = _GRAD_SIGNATURE.bind_partial(*node.args, **node.kwargs).arguments
-    except TypeError:  # not a call eager would accept: assume the worst
-        return True
-    return bound.get("create_graph", False) is not False
+    bound = _grad_arguments(node)
+    return bound is None or bound.get("create_graph", False) is not False  # unbound: the worst
 
 
 def batch_grads(gm: torch.fx.GraphModule) -> BatchingResult:
