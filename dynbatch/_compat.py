@@ -350,17 +350,21 @@ def _guarding_frames(most: int = 2) -> str:
 
 
 @contextlib.contextmanager
-def ignored_shape_guards(shape_env: Any) -> Iterator[list[str]]:
-    """The guards a frozen ShapeEnv ignores in the block, as text (``expr == value``):
-    its ``_check_frozen`` (torch 2.11-2.14) sees each; its log names them only at INFO."""
+def ignored_shape_guards(shape_env: Any) -> Iterator[list[str] | None]:
+    """The guards a frozen ShapeEnv ignores in the block, as text (``expr == value``), or
+    None where it cannot tell.  Its ``_check_frozen`` (torch 2.11-2.14) sees each, and also
+    those asked while guards are suppressed (FakeTensor's cache rebuilds a view with
+    ``set_`` so), which no frame would have installed: those are left out, as its counter
+    ("ignored_backward_guard") does not."""
     seen: list[str] = []
     check = getattr(shape_env, "_check_frozen", None)
-    if check is None:  # pragma: no cover - version guard: the counter still tells
-        yield seen
+    suppressed = getattr(shape_env, "_suppress_guards_tls", None)
+    if check is None or suppressed is None:  # pragma: no cover - version guard: the counter tells
+        yield None
         return
 
     def noting(expr: Any, concrete_val: Any) -> None:
-        if shape_env.frozen:
+        if shape_env.frozen and not suppressed():
             seen.append(f"{expr} == {concrete_val} (at {_guarding_frames()})")
         check(expr, concrete_val)
 

@@ -484,6 +484,13 @@ def test_a_lowering_after_the_frame_guards_may_not_add_one():
     with pytest.raises(RuntimeError, match=f"new guard on the sizes.*installed: .*{b.node.expr}"):  # named
         with memory.refusing_new_shape_guards(context):
             bool(b > 3)
+    # One asked with guards suppressed (FakeTensor's cache rebuilding a view) would not
+    # have been installed either: no refusal, though the ShapeEnv's counter counts it.
+    counted = env.counter["ignored_backward_guard"]
+    with memory.refusing_new_shape_guards(context):
+        with env.suppress_guards():
+            bool(b > 4)
+    assert env.counter["ignored_backward_guard"] > counted
 
 
 def test_a_dynamic_graph_that_stops_fitting_peaks_within_the_budget():
