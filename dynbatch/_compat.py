@@ -384,6 +384,13 @@ def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
     return dict(wrapper.config)
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory ($TORCHINDUCTOR_CACHE_DIR, else its per-user default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
 def inductor_config_value(name: str) -> Any:
     """Inductor's global config setting ``name`` (what a graph gets unless its options patch it)."""
     from torch._inductor import config as inductor_config

@@ -23,11 +23,13 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
   OpenBLAS that numpy ships is the fastest on ``[M, 512] @ [512, 512]`` from
   M = 1024 (63-70 GFLOP/s against oneDNN's 59-69 and MKL's 53-62, one core).
 
-So a product has up to four kernels (``KERNELS``): ATen's as given, ATen's on
+So a product has up to five kernels (``KERNELS``): ATen's as given, ATen's on
 the transposed problem (``flipped``, its result copied back to row-major),
 oneDNN's where it applies (float32, ``a`` contiguous, ``b.t()`` contiguous or
-small enough to copy), and numpy's BLAS (``openblas``, where numpy and
-threadpoolctl are installed; NOTE [numpy's BLAS]).  "auto", the default, takes the fastest per shape.  It
+small enough to copy), numpy's BLAS (``openblas``, where numpy and
+threadpoolctl are installed; NOTE [numpy's BLAS]) and dynbatch's own float32
+GEMM (``avx2``, on x86-64 Linux with AVX2 and a C compiler; NOTE [dynbatch's own
+GEMM] in native_gemm.py).  "auto", the default, takes the fastest per shape.  It
 is measured, not assumed: the first product of each (power-of-two buckets of
 M, K and N, operand layouts, dtype, threads) runs every applicable kernel on its
 real operands, a few times each, and the fastest is remembered for the rest of
@@ -55,13 +57,13 @@ from typing import Callable
 
 import torch
 
-from . import _compat, fail_soft
+from . import _compat, fail_soft, native_gemm
 
 log = logging.getLogger("dynbatch")
 
 # Options.cpu_matmul: "auto" measures; "aten" leaves every product to ATen;
-# "flipped", "onednn" and "openblas" take that kernel wherever it applies (tests, comparisons).
-CHOICES = ("auto", "aten", "flipped", "onednn", "openblas")
+# "flipped", "onednn", "openblas" and "avx2" take that kernel wherever it applies (tests, comparisons).
+CHOICES = ("auto", "aten", "flipped", "onednn", "openblas", "avx2")
 # Timed calls of each kernel in a measurement, after one untimed call that
 # builds oneDNN's primitive and warms the caches (the minimum is compared).
 TRIALS = 5
@@ -148,7 +150,7 @@ def openblas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # name -> kernel(a, b) computing a @ b, as a new contiguous matrix.
 KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "aten": aten, "flipped": flipped, "onednn": onednn, "openblas": openblas}
+    "aten": aten, "flipped": flipped, "onednn": onednn, "openblas": openblas, "avx2": native_gemm.matmul}
 
 
 @functools.cache
@@ -157,11 +159,14 @@ def onednn_available() -> bool:
 
 
 def available(name: str) -> bool:
-    """Whether this process has kernel ``name`` at all (oneDNN and numpy's BLAS may be missing)."""
+    """Whether this process has kernel ``name`` at all (oneDNN, numpy's BLAS and dynbatch's
+    own GEMM may be missing)."""
     if name == "onednn":
         return onednn_available()
     if name == "openblas":
         return numpy_blas() is not None
+    if name == "avx2":
+        return native_gemm.library() is not None
     return True
 
 
@@ -173,6 +178,8 @@ def applies(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if name == "flipped":
         return a.dtype in (torch.float32, torch.float64)
+    if name == "avx2":
+        return native_gemm.applies(a, b)
     if name == "openblas":
         # .numpy() refuses tensors with a lazy conjugate or negation bit
         return (a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64)

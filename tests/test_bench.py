@@ -492,7 +492,7 @@ def test_gemm_times_every_kernel(capsys):
 
     assert main(["gemm", "--quick", "--m", "8,64", "--kn", "16"]) == 0
     rows = _table(capsys.readouterr().out)
-    assert [(r["M"], r["K = N"]) for r in rows] == [("8", "16"), ("64", "16")]
+    assert [(r["M"], r["K"], r["N"]) for r in rows] == [("8", "16", "16"), ("64", "16", "16")]
     kernels = [k for k in matmul_kernels.KERNELS if matmul_kernels.available(k)]
     for row in rows:
         assert all(_number(row[f"{k} GF/s"]) > 0 for k in kernels), row

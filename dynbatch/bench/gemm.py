@@ -2,9 +2,11 @@
 
     python -m dynbatch.bench gemm --threads 1
     python -m dynbatch.bench gemm --m 512,1024,2048 --kn 128 --threads 1
+    python -m dynbatch.bench gemm --m 128,1024,4096 --k 128,1024,4096 --n 128,1024,4096 --layout rr
 
 ``[M, K] @ [N, K].T``, the batched backward's tall product (NOTE [CPU matmul
-kernels] in dynbatch/matmul_kernels.py), by each kernel of
+kernels] in dynbatch/matmul_kernels.py), or ``[M, K] @ [K, N]`` with ``--layout rr``,
+for K = N (``--kn``) or every K and N given (``--k``, ``--n``), by each kernel of
 ``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, the same on
 the transposed problem, and oneDNN's linear, where torch has it) and, when JAX is importable, XLA's dot at "highest"
 precision (its figure includes ``jax.jit``'s dispatch), timed interleaved
@@ -43,6 +45,13 @@ def parse_args(argv) -> argparse.Namespace:
                         help=f"comma list of rows M (default {','.join(map(str, ROWS))})")
     parser.add_argument("--kn", type=lambda t: cli.sizes(t, "--kn"), default=None,
                         help=f"comma list of K = N (default {','.join(map(str, WIDTHS))})")
+    parser.add_argument("--k", type=lambda t: cli.sizes(t, "--k"), default=None,
+                        help="comma list of K, each with every N of --n (instead of --kn)")
+    parser.add_argument("--n", type=lambda t: cli.sizes(t, "--n"), default=None,
+                        help="comma list of N (with --k)")
+    parser.add_argument("--layout", choices=("rc", "rr"), default="rc",
+                        help="the second operand's layout: rc, [M, K] @ [N, K].T (the backward's, default); "
+                             "rr, [M, K] @ [K, N] row-major")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and a short timing budget")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice); the process is pinned to "
@@ -50,6 +59,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--min-time", type=float, default=None,
                         help="seconds of timing per kernel and shape (default 0.5; --quick: 0.02)")
     args = parser.parse_args(argv)
+    if (args.k is None) != (args.n is None) or (args.k is not None and args.kn is not None):
+        parser.error("give --k with --n, or --kn")
     args.device = "cpu"  # for cli.use_threads
     return args
 
@@ -69,29 +80,31 @@ def main(argv=None) -> int:
     peak_all = core * torch.get_num_threads() if core else None
     print(f"core peak (float32 FMA loop, {peak.isa() or 'no AVX2'}): "
           + (f"{core:.3g} GFLOP/s a core" if core else "not measured (no C compiler or no AVX2)"))
-    print("| M | K = N | " + " | ".join(f"{k} GF/s" for k in kernels) + (" | onednn / aten time" if ratio else "")
+    print("| M | K | N | " + " | ".join(f"{k} GF/s" for k in kernels) + (" | onednn / aten time" if ratio else "")
           + (" | dynbatch's best / peak |" if peak_all else " |"))
-    print("|---|---|" + "---|" * (len(kernels) + ratio + bool(peak_all)), flush=True)
-    for k in args.kn or widths:
+    print("|---|---|---|" + "---|" * (len(kernels) + ratio + bool(peak_all)), flush=True)
+    sizes = [(k, n) for k in args.k for n in args.n] if args.k else [(k, k) for k in args.kn or widths]
+    for k, n in sizes:
         for m in args.m or rows:
-            a, w = torch.randn(m, k), torch.randn(k, k)
-            calls = {name: make(a, w) for name, make in kernels.items()}
+            a = torch.randn(m, k)
+            b = torch.randn(n, k).t() if args.layout == "rc" else torch.randn(k, n)
+            calls = {name: make(a, b) for name, make in kernels.items()}
             timed = measure.interleaved_times(calls, lambda: None, budget)
             med = {name: statistics.median(t["times_s"]) for name, t in timed.items()}
-            flops = 2 * m * k * k / 1e9
+            flops = 2 * m * k * n / 1e9
             cells = [f"{flops / med[name]:.3g}" for name in kernels]
             if ratio:
                 cells.append(f"×{med['onednn'] / med['aten']:.2f}")
             if peak_all:  # the fastest of the kernels "auto" chooses from (XLA's is not one)
                 fastest = min((name for name in med if name in matmul_kernels.KERNELS), key=med.get)
                 cells.append(f"{flops / med[fastest] / peak_all:.2g} ({fastest})")
-            print(f"| {m} | {k} | " + " | ".join(cells) + " |", flush=True)
+            print(f"| {m} | {k} | {n} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 
 def kernel_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], Any]]]:
-    """name -> (a, w) -> a thunk computing ``a @ w.T`` by that kernel."""
-    calls = {name: (lambda a, w, kernel=kernel: lambda: kernel(a, w.t()))
+    """name -> (a, b) -> a thunk computing ``a @ b`` by that kernel."""
+    calls = {name: (lambda a, b, kernel=kernel: lambda: kernel(a, b))
              for name, kernel in matmul_kernels.KERNELS.items()
              if matmul_kernels.available(name)}
     try:
@@ -100,11 +113,15 @@ def kernel_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[
     except ImportError:
         return calls
     jax.config.update("jax_default_matmul_precision", "highest")
-    dot = jax.jit(lambda a, w: a @ w.T)
+    dot_t, dot = jax.jit(lambda a, w: a @ w.T), jax.jit(lambda a, b: a @ b)
 
-    def xla(a: torch.Tensor, w: torch.Tensor) -> Callable[[], Any]:
-        ja, jw = jnp.asarray(a.numpy()), jnp.asarray(w.numpy())
-        return lambda: dot(ja, jw).block_until_ready()
+    def xla(a: torch.Tensor, b: torch.Tensor) -> Callable[[], Any]:
+        # the same layouts as the torch kernels get: w [N, K] row-major for b = w.T
+        if b.stride(0) == 1 and b.dim() == 2 and b.shape[1] > 1:
+            ja, jw = jnp.asarray(a.numpy()), jnp.asarray(b.t().numpy())
+            return lambda: dot_t(ja, jw).block_until_ready()
+        ja, jb = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
+        return lambda: dot(ja, jb).block_until_ready()
 
     calls["xla"] = xla
     return calls
