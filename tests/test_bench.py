@@ -487,11 +487,15 @@ def test_ab_reads_option_values_as_python_does():
             ab.parse_args(bad)
 
 
-def test_gemm_times_every_kernel(capsys):
+def test_gemm_times_every_kernel(capsys, tmp_path):
     from dynbatch import matmul_kernels
 
-    assert main(["gemm", "--quick", "--m", "8,64", "--kn", "16"]) == 0
-    rows = _table(capsys.readouterr().out)
+    out = tmp_path / "gemm.md"
+    assert main(["gemm", "--quick", "--m", "8,64", "--kn", "16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = _table(printed)
+    written = out.read_text()  # the printed table, under the command that made it
+    assert "python -m dynbatch.bench gemm --quick --m 8,64 --kn 16" in written and printed.strip() in written
     assert [(r["M"], r["K"], r["N"]) for r in rows] == [("8", "16", "16"), ("64", "16", "16")]
     kernels = [k for k in matmul_kernels.KERNELS if matmul_kernels.available(k)]
     for row in rows:
@@ -501,6 +505,14 @@ def test_gemm_times_every_kernel(capsys):
         if peak.core_peak_gflops():  # each row's fastest kernel as a fraction of the measured peak
             fraction, fastest = row["dynbatch's best / peak"].split()
             assert 0 < float(fraction) < 1.5 and fastest.strip("()") in kernels, row
+
+
+def test_gemm_takes_k_and_n_apart_and_row_major_operands(capsys):
+    assert main(["gemm", "--quick", "--m", "8", "--k", "16,32", "--n", "8", "--layout", "rr"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert [(r["M"], r["K"], r["N"]) for r in rows] == [("8", "16", "8"), ("8", "32", "8")]
+    with pytest.raises(SystemExit):
+        main(["gemm", "--quick", "--k", "16"])  # --k without --n
 
 
 def test_core_peak_is_measured_where_the_cpu_has_fma():

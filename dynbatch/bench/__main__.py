@@ -22,7 +22,7 @@ ALL_WORKLOADS = [*DEFAULT_WORKLOADS, *mace_workload.WORKLOADS]
 # python -m dynbatch.bench <command> ...: each in a module of its own, imported when named.
 COMMANDS = {"overhead": "per-call overhead of the columns: where a small call's time goes",
             "ab": "A/B of dynbatch or Inductor options on the same cells, side by side",
-            "gemm": "one CPU matrix product by each kernel (ATen, oneDNN, XLA)",
+            "gemm": "one CPU matrix product by each kernel (ATen, oneDNN, OpenBLAS, dynbatch's AVX2 GEMM, XLA)",
             "report": "the tables and plots docs/benchmarks.md shows, rewritten from results JSON files"}
 
 
