@@ -88,9 +88,10 @@ class Direct:
                                                  for a in kept))
         return outs
 
-    @_compat.dynamo_disable
     def backward(self, ctx, args, versions, grads, batching) -> tuple:
-        """A create_graph or batched backward, by dynbatch's paths; one grad per argument."""
+        """A create_graph or batched backward, by dynbatch's paths; one grad per argument.
+        Called only from ``_routed_backward``'s backward, whose ``dynamo_disable`` (recursive)
+        keeps Dynamo out of this too: a second wrapper would cost each call its frame swaps."""
         for a, version in zip(args, versions):
             if version is not None and a._version != version:
                 raise RuntimeError(
