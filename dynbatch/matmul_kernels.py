@@ -18,10 +18,10 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
   with a short output, [65536, 32] @ [32, 8], 2.4 ms against 0.7 ms the same way
   (force training's pair potential has both, twice per step).
 
-- MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.55-0.8 of the
+- MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.55-0.85 of the
   core's float32 peak (96 GFLOP/s, measured by ``bench gemm``'s FMA loop); the
-  OpenBLAS that numpy ships is the fastest on ``[M, 512] @ [512, 512]`` from
-  M = 1024 (63-70 GFLOP/s against oneDNN's 59-69 and MKL's 53-62, one core).
+  OpenBLAS that numpy ships leads on some wide products (N = 2048), and dynbatch's
+  own AVX2 GEMM on most tall ones (71-85 GFLOP/s from M = 1024, one core).
 
 So a product has up to five kernels (``KERNELS``): ATen's as given, ATen's on
 the transposed problem (``flipped``, its result copied back to row-major),

@@ -505,6 +505,7 @@ def test_gemm_times_every_kernel(capsys, tmp_path):
         if peak.core_peak_gflops():  # each row's fastest kernel as a fraction of the measured peak
             fraction, fastest = row["dynbatch's best / peak"].split()
             assert 0 < float(fraction) < 1.5 and fastest.strip("()") in kernels, row
+            assert float(fraction) <= float(row["its fastest run / peak"]) < 1.5, row  # a run beats the median
 
 
 def test_gemm_takes_k_and_n_apart_and_row_major_operands(capsys):
