@@ -21,7 +21,7 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
 - MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.55-0.85 of the
   core's float32 peak (96 GFLOP/s, measured by ``bench gemm``'s FMA loop); the
   OpenBLAS that numpy ships leads on some wide products (N = 2048), and dynbatch's
-  own AVX2 GEMM on most tall ones (71-85 GFLOP/s from M = 1024, one core).
+  own AVX2 GEMM on most tall ones (77-91 GFLOP/s from M = 1024, one core).
 
 So a product has up to five kernels (``KERNELS``): ATen's as given, ATen's on
 the transposed problem (``flipped``, its result copied back to row-major),

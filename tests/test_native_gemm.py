@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(native_gemm.library() is None,
                                 reason="no AVX2 + FMA on this CPU, not x86-64 Linux, or no C compiler")
 
 # The C source's blocking: row panels of 6, column panels of 16, K in blocks of 512,
-# N in blocks of 4096, rows in blocks of 72 per thread.
-MR, NR, KC, NC, MC = 6, 16, 512, 4096, 72
+# N in blocks of 1024, rows in blocks of 72 per thread.
+MR, NR, KC, NC, MC = 6, 16, 512, 1024, 72
 
 
 def _layout(t: torch.Tensor, kind: str) -> torch.Tensor:
