@@ -4,8 +4,9 @@ A GEMM kernel's GFLOP/s means little without the core's own limit, and the
 limit depends on the clock the core actually runs at (its boost under load) and
 on how many FMA units it has, which no table gives for a cloud machine.  So it
 is measured: a loop of 12 independent AVX2 (or AVX-512) FMA chains, enough to
-cover the FMA latency on two ports, compiled once by the system's C compiler
-into a temporary shared library and called through ctypes, one thread.
+cover the FMA latency on two ports, compiled once by the C compiler dynbatch's own
+GEMM uses (native_gemm.compiler) into a temporary shared library and called through
+ctypes, one thread.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
-import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from dynbatch import native_gemm
 
 # 12 accumulators: FMA latency (4-5 cycles) times two FMA ports, with room to spare.
 _SOURCE = r"""
@@ -81,7 +83,7 @@ def isa() -> str | None:
 def core_peak_gflops() -> float | None:
     """One core's float32 GFLOP/s in a loop of FMAs (the best of RUNS), or None where
     there is no x86 FMA or no C compiler."""
-    kind, compiler = isa(), shutil.which("cc") or shutil.which("gcc")
+    kind, compiler = isa(), native_gemm.compiler()  # the compiler dynbatch's own GEMM is built with
     if kind is None or compiler is None:
         return None
     flags, macros = _ISAS[kind]
