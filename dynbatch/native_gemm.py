@@ -10,7 +10,10 @@ dynbatch carries one GEMM of its own, ``csrc/sgemm_avx2.c``: BLIS's packing and
 blocking around a 6 x 16 AVX2 micro-kernel (which alone runs at 0.95 of the peak;
 whole products 0.78-0.94 by their best runs, docs/results/gemm_cpu.md).
 It is one more kernel for ``cpu_matmul="auto"`` to measure (matmul_kernels.py,
-NOTE [CPU matmul kernels]), never assumed faster.
+NOTE [CPU matmul kernels]), never assumed faster.  An output of megabytes asks the
+kernel for transparent huge pages before the first write (``madvise``, where the
+system allows it): fresh memory otherwise faults 4 KiB at a time, which halved
+[4096, 128] @ [128, 2048] for every kernel (47 against 73 GFLOP/s with the hint).
 
 It is plain C with no torch headers, so it builds in a second: with the C compiler
 Inductor would use (``$CC``, else ``gcc``/``cc``), ``-O3 -mavx2 -mfma -fopenmp``,

@@ -31,14 +31,18 @@ from .region_saved_backward import SAVED, batched_grads
 # compiled backward, by the program's compiled batched backward (which recomputes the
 # forward), or per sample; region_saved_backward.SAVED counts the saved activations' path.
 PLAIN, BATCHED, LOOP = "outside_plain", "outside_batched_compiled", "outside_per_sample"
+UNKNOWN = object()  # backward's batching, not yet read from the cotangents
 
 
-def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad, call=None):
+def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad, call=None,
+             batching=UNKNOWN):
     """Pick the path for one backward call (NOTE [Region backward] in region.py).  ``call``:
     AOTAutograd's node that made the outputs, where the caller knows it (region_direct.py);
-    otherwise it is found in the inner graph, if that is one such node over the leaves."""
+    otherwise it is found in the inner graph, if that is one such node over the leaves.
+    ``batching``: ``batching_of`` the cotangents, where the caller has it already."""
     cotangents = [g for _, g in out_grads]
-    batching = batching_of(cotangents)
+    if batching is UNKNOWN:
+        batching = batching_of(cotangents)
     if program.linear is not None:
         grads = grads_from_forward(program, out_grads, needed, batching, forward_grads)
         if grads is not None:

@@ -19,8 +19,10 @@ from . import _compat
 class Batching:
     """How a set of grads is batched: by eager's legacy vmap or by torch.func."""
 
-    def __init__(self, kind: str, level: int) -> None:
+    def __init__(self, kind: str, level: int, physical: dict[int, tuple] | None = None) -> None:
         self.kind, self.level = kind, level
+        # id(grad) -> (grad, its physical tensor): legacy unwraps batching_of already made.
+        self._physical = physical or {}
 
     @contextlib.contextmanager
     def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]):
@@ -48,6 +50,9 @@ class Batching:
         if not self._is_batched(g):
             return g
         if self.kind == "legacy":
+            known = self._physical.get(id(g))
+            if known is not None and known[0] is g:
+                return known[1]
             # A batched tensor's own batch size is used; the size argument is for unbatched ones.
             return _compat.legacy_remove_batch_dim(g, self.level, 0, 0)
         value, bdim = _compat.unwrap_at(g, self.level)
@@ -65,10 +70,14 @@ def batching_of(grads: list[torch.Tensor]) -> Batching | None:
     legacy = [g for g in grads if _compat.is_legacy_batched(g)]
     if legacy:
         level = _compat.legacy_vmap_level() or _legacy_level_of(legacy[0])
-        if level and not any(_compat.is_legacy_batched(_compat.legacy_remove_batch_dim(g, level, 0, 0))
-                             for g in legacy):
-            return Batching("legacy", level)
-        return Batching("nested", -1)
+        if not level:
+            return Batching("nested", -1)
+        # One level deep when no grad is still batched under it; the unwrapped tensors are
+        # the physical grads, kept for Batching.unwrapped.
+        physical = {id(g): (g, _compat.legacy_remove_batch_dim(g, level, 0, 0)) for g in legacy}
+        if any(_compat.is_legacy_batched(p) for _, p in physical.values()):
+            return Batching("nested", -1)
+        return Batching("legacy", level, physical)
     wrapped = [g for g in grads if _compat.is_functorch_wrapped(g)]
     if not wrapped:
         return None

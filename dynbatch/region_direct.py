@@ -107,8 +107,11 @@ class Direct:
             inputs = [args[i] for i in region.diff_args]
             others = [a for i, a in enumerate(args) if not region.is_input[i]]
             call = AotCall(ctx, self.input_at, dict(self.output_nrs))
+            # The caller read ``batching`` off every grad: the same reading where these are all of them.
+            same = len(out_grads) == sum(g is not None for g in grads)
             grads_in = region_backward.backward(region.program, inputs, None, others, None, out_grads, needed, (),
-                                                region.n_outputs, call)
+                                                region.n_outputs, call,
+                                                batching if same else region_backward.UNKNOWN)
             for i, g in zip(region.diff_args, grads_in):
                 result[i] = g
         return tuple(result)

@@ -237,7 +237,7 @@ class SavedBackward:
             return "its forward saved opaque objects" if opaque else "its saved values do not match its graph"
         tangents = [self._tangent(node, by_nr.get(nr), nr, layout, batch_size)
                     for nr, layout in zip(self.tangent_nrs, self.layouts)]
-        saved = [*symints, *(t.detach() for t in tensors)]
+        saved = [*symints, *tensors]  # read under no_grad by the program: no detach needed
         first = self._program(wanted, [*saved, *tangents], options)
         if isinstance(first, str):
             return first

@@ -17,7 +17,9 @@ benchmark times; then, in one process and interleaved (measure.interleaved_times
   require grad (``dynbatch_outside``), each whole call less its programs' time
   (NOTE [A stack under differentiable outputs]);
 - ``program`` (the same columns): the regions' compiled programs (AOTAutograd's
-  and Inductor's wrappers and the kernels), timed inside the whole calls;
+  and Inductor's wrappers and the kernels), timed inside the whole calls; for
+  ``dynbatch_outside``, every Inductor program the call runs, the batched
+  backward's included;
 - ``kernels``: on CUDA, the device time of the kernels a call launches and their
   count (torch's profiler, the median over a few calls); on the CPU, the matrix
   products a call runs (the outermost ``mm``, ``bmm``, ``addmm`` and oneDNN
@@ -259,18 +261,17 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                     continue
                 runner, _, programs = built[column]
                 whole = _median_us(timed[column]["times_s"])
-                program = _median_us(programs.spent) if programs.regions else None
+                spent, rest = programs.split()
+                program = _median_us(spent) if programs.regions else None
                 if f"{column} stack" in timed:
                     stack = _median_us(timed[f"{column} stack"]["times_s"])
                 else:  # NOTE [A stack under differentiable outputs]
-                    stack = _median_us([w - p for w, p in zip(programs.wholes, programs.spent)]) \
-                        if programs.regions else None
+                    stack = _median_us(rest) if programs.regions else None
                 kernel_s, launched = (kernels_per_call(calls[column], sync, device) if runner.torch_tensors
                                       else (None, None))
                 yield [problem.name, case.label, column, _fmt(whole), _fmt(stack), _fmt(program),
                        _fmt(None if kernel_s is None else kernel_s * 1e6), "–" if launched is None else str(launched)]
-                programs.spent.clear()
-                programs.wholes.clear()
+                programs.clear()
             for column in (c for c in columns if top and c in built and built[c][0].torch_tensors):
                 for kernel, us, count in top_kernels(calls[column], sync, device, top):
                     yield [problem.name, case.label, f"{column}: {kernel}", "", "", "", _fmt(us), str(count)]
@@ -282,6 +283,11 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
 # result belongs to an earlier call, and the caller's grad finds its inputs unused.
 # There the stack is measured per whole call instead: the call's seconds less its
 # programs' seconds (median over calls), the same split without a second kind of call.
+# Such a call also runs programs that are not its regions': the batched backward the
+# caller's grad reaches (from the saved activations, or the recompute path's program),
+# so there "program" is the time in every outermost Inductor program the call runs
+# (``CompiledFxGraph.__call__``), and the stack is what is left: Dynamo's frame,
+# AOTAutograd's wrappers, the autograd engine, legacy vmap and dynbatch's plumbing.
 
 class Programs:
     """The compiled programs of one column's regions while it is measured: each runs
@@ -294,15 +300,49 @@ class Programs:
         self.differentiable = False  # a program returned a tensor that requires grad
         self.spent: list[float] = []  # seconds in the programs, per whole call
         self.wholes: list[float] = []  # seconds of each whole call, beside spent
+        self.in_inductor: list[float] = []  # seconds in outermost Inductor programs, per whole call
         self._in_call = 0.0
+        self._in_inductor = 0.0
+        self._timing = False  # inside one of this column's whole calls
+        self._depth = 0  # Inductor programs running (a chunked program calls others)
         self._results: dict[int, Any] = {}
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for region in self.regions:
-                stack.enter_context(region.program_replaced(self._program(region.compiled, id(region))))
-            yield
+        from torch._inductor.output_code import CompiledFxGraph
+
+        real = CompiledFxGraph.__call__
+
+        def timed_call(graph, inputs):
+            if not self._timing or self._depth:
+                return real(graph, inputs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return real(graph, inputs)
+            finally:
+                self._in_inductor += time.perf_counter() - start
+                self._depth -= 1
+
+        CompiledFxGraph.__call__ = timed_call
+        try:
+            with contextlib.ExitStack() as stack:
+                for region in self.regions:
+                    stack.enter_context(region.program_replaced(self._program(region.compiled, id(region))))
+                yield
+        finally:
+            CompiledFxGraph.__call__ = real
+
+    def split(self) -> tuple[list[float], list[float]]:
+        """Per whole call: (seconds in programs, seconds in the stack) (NOTE [A stack under
+        differentiable outputs] for what each holds where the outputs require grad)."""
+        spent = self.in_inductor if self.differentiable else self.spent
+        return spent, [w - p for w, p in zip(self.wholes, spent)]
+
+    def clear(self) -> None:
+        self.spent.clear()
+        self.wholes.clear()
+        self.in_inductor.clear()
 
     def _program(self, real: Callable[..., Any], key: int) -> Callable[..., Any]:
         def program(*args):
@@ -320,12 +360,16 @@ class Programs:
 
     def whole(self, call: Callable[[], Any]) -> Callable[[], Any]:
         def run():
-            self.precomputed, self._in_call = False, 0.0
+            self.precomputed, self._in_call, self._in_inductor, self._timing = False, 0.0, 0.0, True
             start = time.perf_counter()
-            result = call()
+            try:
+                result = call()
+            finally:
+                self._timing = False
             if self.regions:
                 self.wholes.append(time.perf_counter() - start)
                 self.spent.append(self._in_call)
+                self.in_inductor.append(self._in_inductor)
             return result
 
         return run
