@@ -540,6 +540,33 @@ def test_single_call_times_one_steady_call_per_cell(tmp_path):
     assert "## Max abs error against eager_batched" in (tmp_path / "results.md").read_text()
 
 
+def test_overhead_counts_the_batched_backward_of_an_outside_call_as_program_time():
+    """A grad taken outside the compiled model runs two Inductor programs, the model's
+    forward and the batched backward its grad reaches: both are "program", neither is
+    counted twice, and the stack is the rest of the call (NOTE [A stack under
+    differentiable outputs])."""
+    import dynbatch
+    from dynbatch.bench import overhead
+
+    torch._dynamo.reset()
+    dynbatch.reset()
+    problem = WORKLOADS["sweep"]("quick", [3], torch.device("cpu"))[0]
+    runner = variants.build("dynbatch_outside", problem, torch.device("cpu"))
+    args = runner.prepare(problem.cases[0])
+    expected = runner.call(*args)
+    programs = overhead.Programs([r.region() for r in dynbatch.compile_records() if r.region is not None])
+    assert programs.regions
+    with programs.installed():
+        call = programs.whole(lambda: runner.call(*args))
+        for _ in range(3):
+            torch.testing.assert_close(call(), expected)
+    assert programs.differentiable and programs.inductor_runs == [2, 2, 2]
+    spent, rest = programs.split()
+    assert spent == programs.in_inductor and all(s > 0 for s in spent)
+    assert all(abs(s + r - w) < 1e-9 for s, r, w in zip(spent, rest, programs.wholes))
+    assert all(r > 0 for r in rest)
+
+
 def test_a_region_runs_the_program_it_is_given():
     """The overhead command's hook: a compile record's region, and its program replaced."""
     import dynbatch

@@ -301,8 +301,10 @@ class Programs:
         self.spent: list[float] = []  # seconds in the programs, per whole call
         self.wholes: list[float] = []  # seconds of each whole call, beside spent
         self.in_inductor: list[float] = []  # seconds in outermost Inductor programs, per whole call
+        self.inductor_runs: list[int] = []  # how many ran, per whole call
         self._in_call = 0.0
         self._in_inductor = 0.0
+        self._runs = 0
         self._timing = False  # inside one of this column's whole calls
         self._depth = 0  # Inductor programs running (a chunked program calls others)
         self._results: dict[int, Any] = {}
@@ -317,6 +319,7 @@ class Programs:
             if not self._timing or self._depth:
                 return real(graph, inputs)
             self._depth += 1
+            self._runs += 1
             start = time.perf_counter()
             try:
                 return real(graph, inputs)
@@ -343,6 +346,7 @@ class Programs:
         self.spent.clear()
         self.wholes.clear()
         self.in_inductor.clear()
+        self.inductor_runs.clear()
 
     def _program(self, real: Callable[..., Any], key: int) -> Callable[..., Any]:
         def program(*args):
@@ -360,7 +364,8 @@ class Programs:
 
     def whole(self, call: Callable[[], Any]) -> Callable[[], Any]:
         def run():
-            self.precomputed, self._in_call, self._in_inductor, self._timing = False, 0.0, 0.0, True
+            self.precomputed, self._in_call, self._in_inductor, self._runs = False, 0.0, 0.0, 0
+            self._timing = True
             start = time.perf_counter()
             try:
                 result = call()
@@ -370,6 +375,7 @@ class Programs:
                 self.wholes.append(time.perf_counter() - start)
                 self.spent.append(self._in_call)
                 self.in_inductor.append(self._in_inductor)
+                self.inductor_runs.append(self._runs)
             return result
 
         return run
