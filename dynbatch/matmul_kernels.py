@@ -92,7 +92,10 @@ _lock = threading.Lock()
 
 
 def aten(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.mm(a, b)
+    m, n = a.shape[0], b.shape[1]
+    if a.device.type != "cpu" or not native_gemm.spans_huge_pages(m, n, a.dtype):
+        return torch.mm(a, b)
+    return torch.mm(a, b, out=native_gemm.new_output(m, n, a.dtype))  # NOTE [huge pages for large outputs]
 
 
 def flipped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -123,7 +126,7 @@ class NumpyBlas:
         self.np, self.blas = np, blas
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+        out = native_gemm.new_output(a.shape[0], b.shape[1], a.dtype)
         threads, theirs = torch.get_num_threads(), self.blas.get_num_threads()
         if threads != theirs:
             self.blas.set_num_threads(threads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import dynbatch
-from dynbatch import matmul_kernels
+from dynbatch import matmul_kernels, native_gemm
 from dynbatch.passes import route_matmuls
 from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
 
@@ -55,6 +56,38 @@ def test_every_kernel_equals_mm_in_every_layout(kernel, dtype, layouts, m, k):
 
 
 @needs_onednn
+def _hugepage_advised(t: torch.Tensor) -> bool:
+    """Whether /proc/self/smaps flags MADV_HUGEPAGE ("hg") on the mapping holding t's first whole 2 MiB page."""
+    page = native_gemm.HUGE_PAGE
+    address, inside = (t.data_ptr() + page - 1) & ~(page - 1), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if head.endswith(":"):
+            if inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+        else:  # a mapping's first line: "start-end perms ..."
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or native_gemm._madvise() is None,
+                    reason="Linux only: madvise and /proc/self/smaps")
+@pytest.mark.parametrize("kernel", ["aten", "openblas", "avx2"])
+def test_an_output_of_megabytes_is_advised_huge_pages_and_keeps_its_values(kernel):
+    """NOTE [huge pages for large outputs]: each kernel that writes into an output it is
+    given gets one whose aligned interior is advised, and every value is still the product."""
+    if not matmul_kernels.available(kernel):
+        pytest.skip(f"{kernel} is not available in this process")
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(1203, 9, generator=gen), torch.randn(9, 2600, generator=gen)  # 12.5 MB out
+    for _ in range(2):  # a second, fresh output too
+        out = matmul_kernels.KERNELS[kernel](a, b)
+        torch.testing.assert_close(out, (a.double() @ b.double()).float(), rtol=1e-5, atol=1e-5)
+        assert out.is_contiguous() and _hugepage_advised(out)
+    assert not native_gemm.spans_huge_pages(1023, 1024, torch.float32)  # under 4 MiB: plain torch.mm
+
+
 def test_onednn_applies_to_float32_with_a_row_major_left_operand_only():
     a, b = matmul_kernels.operands(64, 32, 16, torch.float32)
     assert matmul_kernels.applies("onednn", a, b)  # b copied to [N, K] (a small matrix)

@@ -6,8 +6,8 @@
 
 ``[M, K] @ [N, K].T``, the batched backward's tall product (NOTE [CPU matmul
 kernels] in dynbatch/matmul_kernels.py), or ``[M, K] @ [K, N]`` with ``--layout rr``,
-for K = N (``--kn``) or every K and N given (``--k``, ``--n``), by each kernel of
-``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, the same on
+for K = N (``--kn``) or every K and N given (``--k``, ``--n``), by a plain
+``torch.mm`` and each kernel of ``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, the same on
 the transposed problem, oneDNN's linear, numpy's OpenBLAS and dynbatch's own AVX2
 GEMM, where this process has them) and, when JAX is importable, XLA's dot at "highest"
 precision (its figure includes ``jax.jit``'s dispatch), timed interleaved
@@ -19,7 +19,8 @@ thread pool.  Above the table, the core's float32 peak, measured by an FMA loop
 (peak x threads): its median, and its fastest run (the peak is the best of its runs;
 on a shared machine the median of every kernel lies well below it).  Every kernel returns a new matrix, as a program's product does: an
 output above glibc's mmap threshold is fresh pages each call, and their faults are in
-the figure (docs/benchmarks.md, "Which GEMM").  ``--out`` writes the table to a file.
+the figure (dynbatch's kernels advise huge pages for them, the ``torch`` column does
+not: NOTE [huge pages for large outputs]).  ``--out`` writes the table to a file.
 """
 
 from __future__ import annotations
@@ -126,9 +127,12 @@ def main(argv=None) -> int:
 
 def kernel_calls() -> dict[str, Callable[[torch.Tensor, torch.Tensor], Callable[[], Any]]]:
     """name -> (a, b) -> a thunk computing ``a @ b`` by that kernel."""
-    calls = {name: (lambda a, b, kernel=kernel: lambda: kernel(a, b))
-             for name, kernel in matmul_kernels.KERNELS.items()
-             if matmul_kernels.available(name)}
+    # "torch": a plain torch.mm, what a program gets without dynbatch's routing (its
+    # "aten" kernel is the same call with a huge-page output where that applies).
+    calls = {"torch": lambda a, b: lambda: torch.mm(a, b)}
+    calls.update({name: (lambda a, b, kernel=kernel: lambda: kernel(a, b))
+                  for name, kernel in matmul_kernels.KERNELS.items()
+                  if matmul_kernels.available(name)})
     try:
         import jax
         import jax.numpy as jnp

@@ -13,7 +13,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -168,19 +167,6 @@ static void block(long mc, long nc, long kc, const float *ap, const float *bp, f
   }
 }
 
-/* An output of megabytes is fresh memory at most calls (glibc maps an allocation over
- * its mmap threshold anew each time, and torch's allocator hands it on): its first
- * writes fault one 4 KiB page at a time, 8192 faults for 32 MiB, which halved the
- * speed of [4096, 128] @ [128, 2048].  Asking for transparent huge pages on its
- * 2 MiB-aligned interior (what torch's THP_MEM_ALLOC_ENABLE=1 does for every
- * allocation) makes that 16 faults where the kernel allows them; else nothing. */
-#define HUGE_PAGE ((uintptr_t)2 << 20)
-static void advise_huge_pages(float *c, long ldc, long m) {
-  uintptr_t start = ((uintptr_t)c + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-  uintptr_t end = ((uintptr_t)(c + ldc * m)) & ~(HUGE_PAGE - 1);
-  if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
-}
-
 /* c[m x n] (row stride ldc) = a[m x k] (strides sam, sak) @ b[k x n] (strides sbk, sbn),
  * on up to `threads` OpenMP threads (blocks of rows).  Returns 0, or -1 if out of memory. */
 int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
@@ -189,7 +175,6 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
     for (long i = 0; i < m; ++i) memset(c + i * ldc, 0, n * sizeof(float));
     return 0;
   }
-  advise_huge_pages(c, ldc, m);
   long nmax = n < NC ? n : NC, kmax = k < KC ? k : KC;
   long blocks = (m + MC - 1) / MC;
   if (threads > blocks) threads = (int)blocks;
