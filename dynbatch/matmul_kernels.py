@@ -93,7 +93,7 @@ _lock = threading.Lock()
 
 def aten(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
-    if a.device.type != "cpu" or not native_gemm.spans_huge_pages(m, n, a.dtype):
+    if not native_gemm.spans_huge_pages(m, n, a.dtype):  # the op is CPU-only
         return torch.mm(a, b)
     return torch.mm(a, b, out=native_gemm.new_output(m, n, a.dtype))  # NOTE [huge pages for large outputs]
 
