@@ -8,7 +8,9 @@ OpenBLAS 0.6-0.87, and no well-kept library on the package index ships better
 kernels for this core (the ``blis`` wheel's generic kernels: 15-22 GFLOP/s).  So
 dynbatch carries one GEMM of its own, ``csrc/sgemm_avx2.c``: BLIS's packing and
 blocking around a 6 x 16 AVX2 micro-kernel (which alone runs at 0.95 of the peak;
-whole products 0.78-0.94 by their best runs, docs/results/gemm_cpu.md).
+whole products 0.78-0.94 by their best runs, docs/results/gemm_cpu.md).  On an
+Intel Xeon (AVX-512) MKL runs at 0.83-0.97 of the core's peak and this kernel, at half
+the vector width, is never chosen (docs/results/gemm_cpu_xeon.md).
 It is one more kernel for ``cpu_matmul="auto"`` to measure (matmul_kernels.py,
 NOTE [CPU matmul kernels]), never assumed faster.
 
