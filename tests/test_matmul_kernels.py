@@ -55,7 +55,6 @@ def test_every_kernel_equals_mm_in_every_layout(kernel, dtype, layouts, m, k):
     assert out.is_contiguous()  # the layout Inductor's lowering declares
 
 
-@needs_onednn
 def _hugepage_advised(t: torch.Tensor) -> bool:
     """Whether /proc/self/smaps flags MADV_HUGEPAGE ("hg") on the mapping holding t's first whole 2 MiB page."""
     page = native_gemm.HUGE_PAGE
@@ -88,6 +87,7 @@ def test_an_output_of_megabytes_is_advised_huge_pages_and_keeps_its_values(kerne
     assert not native_gemm.spans_huge_pages(1023, 1024, torch.float32)  # under 4 MiB: plain torch.mm
 
 
+@needs_onednn
 def test_onednn_applies_to_float32_with_a_row_major_left_operand_only():
     a, b = matmul_kernels.operands(64, 32, 16, torch.float32)
     assert matmul_kernels.applies("onednn", a, b)  # b copied to [N, K] (a small matrix)
