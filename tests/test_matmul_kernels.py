@@ -77,7 +77,7 @@ def test_an_output_of_megabytes_is_advised_huge_pages_and_keeps_its_values(kerne
     """NOTE [huge pages for large outputs]: each kernel that writes into an output it is
     given gets one whose aligned interior is advised, and every value is still the product."""
     if not matmul_kernels.available(kernel):
-        pytest.skip(f"{kernel} is not available in this process")
+        pytest.skip(reason=f"no {kernel} kernel in this process")
     gen = torch.Generator().manual_seed(7)
     a, b = torch.randn(1203, 9, generator=gen), torch.randn(9, 2600, generator=gen)  # 12.5 MB out
     for _ in range(2):  # a second, fresh output too
