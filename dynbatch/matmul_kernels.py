@@ -93,7 +93,7 @@ _lock = threading.Lock()
 
 def aten(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n = a.shape[0], b.shape[1]
-    if not native_gemm.spans_huge_pages(m, n, a.dtype):  # the op is CPU-only
+    if m * n * a.itemsize < native_gemm.HUGE_OUTPUT:  # the op is CPU-only
         return torch.mm(a, b)
     return torch.mm(a, b, out=native_gemm.new_output(m, n, a.dtype))  # NOTE [huge pages for large outputs]
 
@@ -200,18 +200,20 @@ def applies(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def layout(t: torch.Tensor) -> str:
     """"r" row-major, "c" column-major (a transposed view), "x" neither."""
-    if t.stride(-1) == 1:
-        return "r"
-    return "c" if t.stride(0) == 1 else "x"
+    return _layout(t.stride())
+
+
+def _layout(stride: tuple[int, int]) -> str:
+    return "r" if stride[1] == 1 else "c" if stride[0] == 1 else "x"
 
 
 def shape_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
     # Neighbouring sizes share a kernel: power-of-two buckets, not the sizes, so a
     # sweep over B (in M or in K) measures a handful of times, not once per B.
+    # Every routed product computes this key: plain tuple work, no helper calls.
     m, k = a.shape
-    n = b.shape[1]
-    return (m.bit_length(), k.bit_length(), n.bit_length(), layout(a), layout(b), a.dtype,
-            torch.get_num_threads())
+    return (m.bit_length(), k.bit_length(), b.shape[1].bit_length(), _layout(a.stride()),
+            _layout(b.stride()), a.dtype, torch.get_num_threads())
 
 
 def tall(m: int, k: int) -> bool:
@@ -224,7 +226,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     the measured fastest ("auto")."""
     if kernel != "auto":
         return KERNELS[kernel if applies(kernel, a, b) else "aten"](a, b)
-    if not tall(a.shape[0], a.shape[1]):
+    m, k = a.shape
+    if m < MIN_ROWS and k < MIN_ROWS:  # not tall(m, k), inline: every routed product asks
         return KERNELS["aten"](a, b)
     key = shape_key(a, b)
     name = _chosen.get(key)
