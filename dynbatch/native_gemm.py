@@ -81,11 +81,6 @@ def _madvise():
 HUGE_OUTPUT = 2 * HUGE_PAGE  # bytes: a buffer this large surely holds a whole aligned huge page
 
 
-def spans_huge_pages(rows: int, cols: int, dtype: torch.dtype) -> bool:
-    """Whether a new [rows, cols] matrix surely holds a whole 2 MiB-aligned page."""
-    return rows * cols * dtype.itemsize >= HUGE_OUTPUT
-
-
 def new_output(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An empty row-major [rows, cols] matrix for a product to write, its whole huge pages
     advised (NOTE [huge pages for large outputs])."""

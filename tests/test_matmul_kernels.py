@@ -84,7 +84,7 @@ def test_an_output_of_megabytes_is_advised_huge_pages_and_keeps_its_values(kerne
         out = matmul_kernels.KERNELS[kernel](a, b)
         torch.testing.assert_close(out, (a.double() @ b.double()).float(), rtol=1e-5, atol=1e-5)
         assert out.is_contiguous() and _hugepage_advised(out)
-    assert not native_gemm.spans_huge_pages(1023, 1024, torch.float32)  # under 4 MiB: plain torch.mm
+    assert 1023 * 1024 * 4 < native_gemm.HUGE_OUTPUT <= 1024 * 1024 * 4  # under 4 MiB: plain torch.mm
 
 
 @needs_onednn
