@@ -410,6 +410,26 @@ def compile_fx_inner() -> Callable:
     return _inner
 
 
+def inductor_stride_at_module() -> Any:
+    """The module whose global ``stride_at`` Inductor's C++ vectorizer calls (through
+    ``stride_at_vec_range``, by its global name): ``torch._inductor.sizevars`` from torch
+    2.13, ``torch._inductor.codegen.cpp`` on 2.11-2.12."""
+    from torch._inductor import sizevars
+
+    if hasattr(sizevars, "stride_at"):
+        return sizevars
+    from torch._inductor.codegen import cpp
+
+    return cpp
+
+
+def inductor_sympy_subs(expr: Any, replacements: dict) -> Any:
+    """Inductor's substitution into an index expression (its symbols' assumptions kept)."""
+    from torch._inductor.utils import sympy_subs
+
+    return sympy_subs(expr, replacements)
+
+
 def custom_graph_pass_base() -> type:
     """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
     from torch._inductor.custom_graph_pass import CustomGraphPass

@@ -10,10 +10,12 @@ compilers are wrapped to keep the aten graph's text for the compile record.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
+import sympy
 import torch
 import torch.fx
 
@@ -87,6 +89,39 @@ def inductor_scheduler_keeps_mutation_renames() -> Iterator[None]:
         SchedulerNode.recompute_size_and_body = original
 
 
+@contextlib.contextmanager
+def inductor_strides_without_full_simplify() -> Iterator[None]:
+    """Inductor's C++ vectorizer asks the stride of every index expression along each loop
+    variable: ``stride_at`` substitutes ``var + 1`` and calls ``sympy.simplify`` on the
+    difference (torch 2.11-2.14).  Where the index holds Inductor's index functions --
+    ``ModularIndexing`` of the ``Where(Min(Max(...)) < 0, ... + n, ...)`` that wraps a
+    gather's negative indices -- simplify tries its general strategies for 0.3 s to 16 s a
+    call and returns the difference as it came: MACE's Hessian rows, batched from
+    AOTAutograd's saved activations, spent over 17 minutes of one compile there.  For such
+    an index the difference is taken as it is (terms alike cancel as sympy builds it).  Every
+    caller reads the stride as a number, 0 or 1, or an expression free of the loop
+    variables, so a stride that sympy could have folded and this does not only leaves a load
+    unvectorised: never a wrong index.  (Upstream, pytorch/pytorch#186319 drops the same
+    kind of simplify from ``simplify_index_in_vec_range``, for the same reason.)"""
+    module = _compat.inductor_stride_at_module()
+    original = module.stride_at
+    module.stride_at = _stride_at_without_full_simplify(original)
+    try:
+        yield
+    finally:
+        module.stride_at = original
+
+
+def _stride_at_without_full_simplify(original: Callable) -> Callable:
+    @functools.lru_cache(maxsize=None)
+    def stride_at(index: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
+        if not index.has(var) or not index.atoms(sympy.core.function.Application):
+            return original(index, var)  # a polynomial index: simplify is quick there
+        return sympy.expand(_compat.inductor_sympy_subs(index, {var: var + 1}) - index, deep=False)
+
+    return stride_at
+
+
 def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool,
               planner: memory.Planner, fused: bool) -> None:
     # First the plan: it removes memory.py's markers, which no compiler or record should see.
@@ -116,7 +151,9 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
         with _compat.inductor_lowerings({**_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT,
                                          **routed_matmul_lowerings}), \
                 fail_soft.soft("the fix of Inductor's fused reads of scattered buffers",
-                               inductor_scheduler_keeps_mutation_renames):
+                               inductor_scheduler_keeps_mutation_renames), \
+                fail_soft.soft("Inductor's strides without sympy's full simplify",
+                               inductor_strides_without_full_simplify):
             return inner(aten_gm, aten_inputs, **kwargs)
 
     inductor_patterns_registered_outside_transforms(example_inputs)

@@ -225,10 +225,12 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
                        "route_matmuls": route_matmuls(graph, self.cpu_matmul)}
 
     def uuid(self) -> Any:
-        # also keys lowering.py's choice of extern convolutions and the scheduler fix
-        # (lowering.inductor_scheduler_keeps_mutation_renames), which Inductor's FX graph
+        # also keys lowering.py's choice of extern convolutions, the scheduler fix
+        # (lowering.inductor_scheduler_keeps_mutation_renames) and the C++ strides
+        # (lowering.inductor_strides_without_full_simplify), which Inductor's FX graph
         # cache would not see otherwise
-        ours = "dynbatch-clone-scatter-targets-v1+scheduler-renames-v1+extern-convolutions-v1"
+        ours = ("dynbatch-clone-scatter-targets-v1+scheduler-renames-v1+extern-convolutions-v1"
+                "+strides-without-full-simplify-v1")
         if self.users_pass is not None:
             users = getattr(self.users_pass, "uuid", None)
             return None if users is None else (ours, users())  # None: Inductor does not cache

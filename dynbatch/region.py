@@ -131,7 +131,8 @@ class Region:
             graph_program(self.gm, is_input), recompile, "region",
             compiled=lambda inputs, others: self.compiled(*merge(is_input, inputs, others)),
             random_ops=tuple(random_ops), region=self, written=tuple(others_at.index(i) for i in self.mutated),
-            options=options, recompute_batched=_why_batched_grads_recompute(self.gm))
+            options=options, recompute_batched=_why_batched_grads_recompute(self.gm),
+            measure_batched=any(batching.creates_graph(node) for node in self.gm.graph.nodes))
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time] in region_create_graph.py); None until one has.
         self.with_grads: Program | None = None
@@ -229,7 +230,7 @@ class Region:
         self.with_grads = Program(with_grads_of(self.program.python, index, needed), self.program.recompile,
                                   "forward_with_grads", linear=(index, needed, self.n_outputs),
                                   written=self.program.written, options=self.program.options,
-                                  recompute_batched=self.program.recompute_batched)
+                                  recompute_batched=self.program.recompute_batched, measure_batched=True)
 
     def learn_direct(self, outs: Sequence[Any], diff: Sequence[int], leaves: Sequence[torch.Tensor],
                      others: Sequence[Any]) -> None:
@@ -282,11 +283,6 @@ def _why_batched_grads_recompute(gm: torch.fx.GraphModule) -> str | None:
     the saved activations, kept by the retained graph, would answer."""
     if any(batching.frees_its_graph(node) for node in gm.graph.nodes):
         return "a grad inside it frees the graph it differentiates, as eager's would"
-    if any(batching.creates_graph(node) for node in gm.graph.nodes):
-        # AOTAutograd's backward graph is then a double backward, whose vmapped program
-        # Inductor's C++ tiling took over 17 minutes to compile for MACE's Hessian rows
-        # (sympy), where the recompute path's program compiles in about 90 s.
-        return "it takes create_graph grads itself (its backward is a double backward)"
     return None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 import torch
 
@@ -60,13 +61,8 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
         return _per_sample(batching, out_grads, inner_backward)
     if batching.kind == "legacy":
         with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
-            # NOTE [Batched grads from the saved activations] in region_saved_backward.py
-            grads = batched_grads(program, call or aot_call_over_leaves(inner, leaves), physical, needed,
-                                  batch_size)
-            counter = SAVED
-            if grads is None:
-                grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
-                counter = BATCHED
+            grads, counter = _legacy_batched(program, inputs, others, physical, needed, batch_size,
+                                             lambda: call or aot_call_over_leaves(inner, leaves))
         if grads is not None:
             STATS.count(counter)
             return rewrap(grads)
@@ -74,6 +70,91 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
                      "re-running it eagerly for the backward", batching.kind)
     STATS.count(EAGER)
     return program.eager_backward(inputs, others, out_grads, needed, create_graph=False)
+
+
+def _legacy_batched(program, inputs, others, physical, needed, batch_size, aot_call) -> tuple:
+    """(grads, counter) of a legacy-batched backward: from the saved activations (NOTE
+    [Batched grads from the saved activations] in region_saved_backward.py) or the program's
+    compiled batched backward, which recomputes the forward; measured where neither is
+    always faster (NOTE [Saved or recomputed, measured])."""
+    trial = _trial(program, physical, needed, batch_size)
+    if trial is None or trial.wants_saved():
+        start = time.perf_counter()
+        grads = batched_grads(program, aot_call(), physical, needed, batch_size)
+        if trial is not None:
+            trial.took(SAVED, None if grads is None else time.perf_counter() - start, program)
+        if grads is not None:
+            return grads, SAVED
+    start = time.perf_counter()
+    grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
+    if trial is not None and grads is not None:
+        trial.took(BATCHED, time.perf_counter() - start, program)
+    return grads, BATCHED
+
+
+# NOTE [Saved or recomputed, measured]
+# A graph that takes create_graph grads itself (forces in a force field's forward, an HVP's
+# gradient) has a double backward for AOTAutograd's backward graph.  Vmapped over the
+# cotangents from the saved activations it skips the forward and first backward that the
+# recompute path runs again, but it reads every activation the forward saved, where the
+# recompute path's program fuses them: interleaved on one core, ×0.67-0.91 of the recompute
+# path's time on the benchmark's Hessian rows, HVPs, Laplacian and LJ N = 24, ×1.03 at LJ
+# N = 100, ×1.22 on MACE's Hessian rows.  So such a region measures both.  Its first calls
+# (per set of grads and B's power of two) take the recompute path, which a one-off call (a
+# Hessian computed once) then never leaves: nothing else compiles.  From the
+# TRIAL_CALLS-th call on the saved activations' program compiles and runs, each path's
+# calls after its first (the compile) are timed, and the faster by its best time answers
+# the later calls; where the saved path does not apply, the recompute path does.  Timing
+# needs the kernels finished: on CUDA, whose calls return before them, the recompute path
+# stays (a synchronizing trial is what the sync test forbids; not measured on a card).
+TRIAL_CALLS = 3  # recompute path calls before the saved path's first (the first compiles)
+TIMED = 2  # timed calls of each path before the choice
+
+
+class _Trial:
+    """The two batched paths' times for one set of grads and B's power of two, then the choice."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {SAVED: [], BATCHED: []}
+        self.calls = {SAVED: 0, BATCHED: 0}
+        self.chosen: str | None = None
+
+    def wants_saved(self) -> bool:
+        if self.chosen is not None:
+            return self.chosen == SAVED
+        return self.calls[BATCHED] >= TRIAL_CALLS
+
+    def took(self, path: str, seconds: float | None, program) -> None:
+        """One call of ``path`` took ``seconds`` (None: the saved path did not apply)."""
+        if self.chosen is not None:
+            return
+        if seconds is None:
+            self.chosen = BATCHED
+            return
+        self.calls[path] += 1
+        if self.calls[path] > 1:  # the first call compiled
+            self.times[path].append(seconds)
+        if all(len(t) >= TIMED for t in self.times.values()):
+            best = {p: min(t) for p, t in self.times.items()}
+            self.chosen = min(best, key=best.get)
+            program.log_once(f"measured {id(self)}", "dynbatch: batched grads through a graph that takes "
+                             "create_graph grads itself: from the saved activations %.3g ms, recomputing its "
+                             "forward %.3g ms; taking %s", best[SAVED] * 1e3, best[BATCHED] * 1e3,
+                             "the saved activations" if self.chosen == SAVED else "the recompute")
+
+
+_NOT_TIMED = _Trial()
+_NOT_TIMED.chosen = BATCHED  # on CUDA (NOTE [Saved or recomputed, measured])
+
+
+def _trial(program, physical, needed, batch_size) -> _Trial | None:
+    """The trial of this call's set of grads and B, where the program measures its paths."""
+    if not program.measure_batched or program.recompute_batched is not None:
+        return None
+    if any(g.is_cuda for _, g in physical):
+        return _NOT_TIMED
+    key = (needed, max(batch_size, 1).bit_length())
+    return program.batched_choice.setdefault(key, _Trial())
 
 
 # NOTE [Inner graph's lifetime]

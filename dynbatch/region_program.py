@@ -43,13 +43,18 @@ class Program:
     def __init__(self, python: Callable, recompile: Callable[[Callable], Callable], name: str, *,
                  compiled: Callable | None = None, random_ops: tuple[str, ...] = (), region: Any = None,
                  linear: tuple[int, tuple[bool, ...], int] | None = None, written: tuple[int, ...] = (),
-                 options: Any = None, recompute_batched: str | None = None) -> None:
+                 options: Any = None, recompute_batched: str | None = None, measure_batched: bool = False) -> None:
         self.python, self.name, self.recompile = python, name, recompile
         # The options.Options its graphs compile with (None: unknown): its batched backward from the
         # saved activations compiles with them too (region_saved_backward.py) ...
         self.options = options
         # ... unless this says why its batched backwards must recompute it (then its vjps' too).
         self.recompute_batched = recompute_batched
+        # Where both batched paths apply and neither is always faster (a graph that takes
+        # create_graph grads itself): their trials and choice per set of grads and B
+        # (region_backward.py, NOTE [Saved or recomputed, measured]); None: the saved path.
+        self.measure_batched = measure_batched
+        self.batched_choice: dict[tuple, Any] = {}
         self._compiled = compiled
         self.random_ops = random_ops
         # Positions in ``others`` that the program writes in place (a BatchNorm's running
@@ -78,7 +83,8 @@ class Program:
         if key not in self._vjps:
             self._vjps[key] = Program(_vjp_of(self.python, receives, needed, batched), self.recompile,
                                       "batched_backward" if batched else "vjp", written=self.written,
-                                      options=self.options, recompute_batched=self.recompute_batched)
+                                      options=self.options, recompute_batched=self.recompute_batched,
+                                      measure_batched=self.measure_batched)
         return self._vjps[key]
 
     def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any],

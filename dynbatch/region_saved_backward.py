@@ -61,10 +61,13 @@ _PLAN_NAME = "saved_activations_backward"
 # opaque objects, compiled autograd's state, a tangent traced in a memory format other
 # than contiguous -- a region whose graph holds a grad that eagerly frees the graph it
 # differentiates (region._why_batched_grads_recompute: eager raises there, and so does the
-# recompute) or that takes create_graph grads itself (its backward graph is a double
-# backward, whose vmapped program took Inductor over 17 minutes to compile for MACE's
-# Hessian rows) -- or a call with autocast on, or with deterministic algorithms turned on since
-# the compile, goes to the recompute path (the reason logged once per region).
+# recompute) -- or a call with autocast on, or with deterministic algorithms turned on since
+# the compile, goes to the recompute path (the reason logged once per region).  A region
+# that takes create_graph grads itself (forces in a force field's forward) has a double
+# backward for its backward graph, vmapped the same way where region_backward.py measured
+# it faster than the recompute (NOTE [Saved or recomputed, measured]).  (Inductor spent
+# over 17 minutes on that program for MACE's Hessian rows, in sympy's simplify of its C++
+# strides, until lowering.inductor_strides_without_full_simplify.)
 #
 # A program is compiled per set of needed grads (NOTE [Only the grads a backward uses]:
 # the graph's other outputs are dead code, eliminated), for a B that is symbolic from the

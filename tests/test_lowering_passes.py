@@ -609,3 +609,33 @@ def test_cuda_attention_backward_rules_fold_b_into_the_attention_batch(name, our
     expected = defined(torch.randn(*shape, device="meta"))
     assert [g.shape for g in grads] == [(B, *x.shape) for x in expected]
     assert sum("attention" in str(f) for f in calls) == (1 if ours else B)
+
+
+def test_strides_of_wrapped_gather_indices_skip_sympys_full_simplify(monkeypatch):
+    """``lowering.inductor_strides_without_full_simplify``: while dynbatch lowers a graph, the
+    stride of an index holding Inductor's index functions (a gather's negative indices
+    wrapped, inside ModularIndexing, as MACE's are) is the difference sympy builds, without
+    ``sympy.simplify`` (0.3-16 s a call there), and equals what Inductor's own gives; a
+    polynomial index keeps Inductor's."""
+    import sympy
+    from torch.utils._sympy.functions import ModularIndexing, Where
+
+    from dynbatch import _compat, lowering
+
+    module = _compat.inductor_stride_at_module()
+    original = module.stride_at
+    d0, d1 = sympy.symbols("d0 d1", integer=True, nonnegative=True)
+    clamped = sympy.Min(39, sympy.Max(-40, d1 - 32))
+    index = 24 * d0 + ModularIndexing(Where(clamped < 0, clamped + 40, clamped), 5, 8) + 16
+
+    def refused(*args, **kwargs):
+        raise AssertionError("sympy.simplify called")
+
+    with lowering.inductor_strides_without_full_simplify():
+        assert module.stride_at is not original
+        with monkeypatch.context() as patched:
+            patched.setattr(sympy, "simplify", refused)
+            along_d0, along_d1 = module.stride_at(index, d0), module.stride_at(index, d1)
+        assert module.stride_at(24 * d0 + d1, d1) == 1
+    assert module.stride_at is original
+    assert along_d0 == 24 and along_d1 == original(index, d1) and along_d1.has(d1)

@@ -190,7 +190,8 @@ def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function
     V = torch.randn(6, *out.shape, dtype=torch.float64)
     assert_same_grads(grad(out, x, V, is_grads_batched=True)[0],
                       grad(inner(x), x, V, is_grads_batched=True)[0])
-    # A create_graph grad inside: the saved activations' program would be a double backward.
+    # A create_graph grad inside: its first calls recompute the forward (NOTE [Saved or
+    # recomputed, measured]).
     assert paths() == {"outside_batched_compiled": 1}
 
 

@@ -246,10 +246,28 @@ def test_a_graph_a_grad_inside_freed_recomputes_and_raises_as_eager():
     assert counts()["graphs"] == 1 and "outside_batched_saved" not in counts(), counts()
 
 
-def test_forces_in_the_forward_recompute_for_hessian_rows_outside(caplog):
+@pytest.mark.parametrize("faster", ["saved", "recompute"])
+def test_forces_in_the_forward_measure_the_saved_activations_against_the_recompute(caplog, monkeypatch, faster):
     # A force field that returns its forces (create_graph=True inside): AOTAutograd's
-    # backward graph is a double backward, whose vmapped program Inductor can take many
-    # minutes to compile (MACE's Hessian rows).  The recompute path answers, logged.
+    # backward graph is a double backward.  Its first calls recompute the forward; then the
+    # saved activations' program runs, both are timed, and the faster answers the rest
+    # (NOTE [Saved or recomputed, measured]).  A clock the two paths advance by set costs
+    # makes the choice; every call equals eager.
+    from dynbatch import region_backward, region_program
+
+    costs = {"saved": 1.0, "recompute": 2.0} if faster == "saved" else {"saved": 2.0, "recompute": 1.0}
+    now = [0.0]
+
+    def costing(fn, path):
+        def call(*args, **kwargs):
+            now[0] += costs[path]
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(region_backward.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(region_backward, "batched_grads", costing(region_backward.batched_grads, "saved"))
+    monkeypatch.setattr(region_program.Program, "compiled_backward",
+                        costing(region_program.Program.compiled_backward, "recompute"))
     model = mlp()
 
     def energy_and_forces(pos):
@@ -260,13 +278,19 @@ def test_forces_in_the_forward_recompute_for_hessian_rows_outside(caplog):
     c = compile_dynbatch(energy_and_forces, fullgraph=False)
     pos = x64(5, 4, requires_grad=True)
     V = torch.randn(6, 5, 4, dtype=torch.float64)
+    trial = region_backward.TRIAL_CALLS + region_backward.TIMED + 1  # recompute calls, then saved ones
+    paths = []
     with caplog.at_level(logging.INFO, logger="dynbatch"):
-        for _ in range(2):
+        for _ in range(trial + 3):
+            before = counts()
             got = grad(c(pos)[1], pos, V, is_grads_batched=True)[0]
             assert_same_grads(got, grad(energy_and_forces(pos)[1], pos, V, is_grads_batched=True)[0])
-    n = counts()
-    assert n["outside_batched_compiled"] == 2 and "outside_batched_saved" not in n, n
-    assert "takes create_graph grads itself" in caplog.text, caplog.text
+            paths.append("saved" if counts().get("outside_batched_saved", 0) > before.get("outside_batched_saved", 0)
+                         else "recompute")
+    assert paths[:trial] == ["recompute"] * region_backward.TRIAL_CALLS + ["saved"] * (region_backward.TIMED + 1)
+    assert paths[trial:] == [faster] * 3, paths
+    taking = "the saved activations" if faster == "saved" else "the recompute"
+    assert f"taking {taking}" in caplog.text, caplog.text
 
 
 def test_softmax_backward_stays_one_program_across_batch_sizes():
