@@ -101,14 +101,16 @@ def _legacy_batched(program, inputs, others, physical, needed, batch_size, aot_c
 # path's time on the benchmark's Hessian rows, HVPs, Laplacian and LJ N = 24, ×1.03 at LJ
 # N = 100, ×1.22 on MACE's Hessian rows.  So such a region measures both.  Its first calls
 # (per set of grads and B's power of two) take the recompute path, which a one-off call (a
-# Hessian computed once) then never leaves: nothing else compiles.  From the
-# TRIAL_CALLS-th call on the saved activations' program compiles and runs, each path's
-# calls after its first (the compile) are timed, and the faster by its best time answers
-# the later calls; where the saved path does not apply, the recompute path does.  Timing
-# needs the kernels finished: on CUDA, whose calls return before them, the recompute path
-# stays (a synchronizing trial is what the sync test forbids; not measured on a card).
-TRIAL_CALLS = 3  # recompute path calls before the saved path's first (the first compiles)
-TIMED = 2  # timed calls of each path before the choice
+# Hessian computed once) then never leaves: nothing else compiles.  After WARM of them the
+# saved activations' program compiles and runs WARM calls; a path's first calls compile it
+# and let the product router measure its kernels (matmul_kernels.py), several times a
+# product's own time.  Then the two alternate, TIMED calls each, and the faster by its best
+# time answers the later calls; where the saved path does not apply, the recompute path
+# does.  Timing needs the kernels finished: off the CPU (CUDA's calls return before their
+# kernels) the recompute path stays (a synchronizing trial is what the CUDA sync test
+# forbids; not measured on a card).
+WARM = 2  # untimed calls of each path: its compile, the router's measurements
+TIMED = 3  # timed calls of each path, alternating, before the choice
 
 
 class _Trial:
@@ -122,7 +124,11 @@ class _Trial:
     def wants_saved(self) -> bool:
         if self.chosen is not None:
             return self.chosen == SAVED
-        return self.calls[BATCHED] >= TRIAL_CALLS
+        if self.calls[BATCHED] < WARM:
+            return False
+        if self.calls[SAVED] < WARM:
+            return True
+        return len(self.times[SAVED]) <= len(self.times[BATCHED])
 
     def took(self, path: str, seconds: float | None, program) -> None:
         """One call of ``path`` took ``seconds`` (None: the saved path did not apply)."""
@@ -132,7 +138,7 @@ class _Trial:
             self.chosen = BATCHED
             return
         self.calls[path] += 1
-        if self.calls[path] > 1:  # the first call compiled
+        if self.calls[path] > WARM:
             self.times[path].append(seconds)
         if all(len(t) >= TIMED for t in self.times.values()):
             best = {p: min(t) for p, t in self.times.items()}
@@ -144,14 +150,14 @@ class _Trial:
 
 
 _NOT_TIMED = _Trial()
-_NOT_TIMED.chosen = BATCHED  # on CUDA (NOTE [Saved or recomputed, measured])
+_NOT_TIMED.chosen = BATCHED  # off the CPU (NOTE [Saved or recomputed, measured])
 
 
 def _trial(program, physical, needed, batch_size) -> _Trial | None:
     """The trial of this call's set of grads and B, where the program measures its paths."""
     if not program.measure_batched or program.recompute_batched is not None:
         return None
-    if any(g.is_cuda for _, g in physical):
+    if any(g.device.type != "cpu" for _, g in physical):
         return _NOT_TIMED
     key = (needed, max(batch_size, 1).bit_length())
     return program.batched_choice.setdefault(key, _Trial())

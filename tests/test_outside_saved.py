@@ -250,7 +250,7 @@ def test_a_graph_a_grad_inside_freed_recomputes_and_raises_as_eager():
 def test_forces_in_the_forward_measure_the_saved_activations_against_the_recompute(caplog, monkeypatch, faster):
     # A force field that returns its forces (create_graph=True inside): AOTAutograd's
     # backward graph is a double backward.  Its first calls recompute the forward; then the
-    # saved activations' program runs, both are timed, and the faster answers the rest
+    # saved activations' program runs, both are timed in turn, and the faster answers the rest
     # (NOTE [Saved or recomputed, measured]).  A clock the two paths advance by set costs
     # makes the choice; every call equals eager.
     from dynbatch import region_backward, region_program
@@ -278,7 +278,10 @@ def test_forces_in_the_forward_measure_the_saved_activations_against_the_recompu
     c = compile_dynbatch(energy_and_forces, fullgraph=False)
     pos = x64(5, 4, requires_grad=True)
     V = torch.randn(6, 5, 4, dtype=torch.float64)
-    trial = region_backward.TRIAL_CALLS + region_backward.TIMED + 1  # recompute calls, then saved ones
+    warm, timed = region_backward.WARM, region_backward.TIMED
+    # Each path's untimed calls (the recompute first), then the two alternating, timed.
+    schedule = ["recompute"] * warm + ["saved"] * warm + ["saved", "recompute"] * timed
+    trial = len(schedule)
     paths = []
     with caplog.at_level(logging.INFO, logger="dynbatch"):
         for _ in range(trial + 3):
@@ -287,7 +290,7 @@ def test_forces_in_the_forward_measure_the_saved_activations_against_the_recompu
             assert_same_grads(got, grad(energy_and_forces(pos)[1], pos, V, is_grads_batched=True)[0])
             paths.append("saved" if counts().get("outside_batched_saved", 0) > before.get("outside_batched_saved", 0)
                          else "recompute")
-    assert paths[:trial] == ["recompute"] * region_backward.TRIAL_CALLS + ["saved"] * (region_backward.TIMED + 1)
+    assert paths[:trial] == schedule, paths
     assert paths[trial:] == [faster] * 3, paths
     taking = "the saved activations" if faster == "saved" else "the recompute"
     assert f"taking {taking}" in caplog.text, caplog.text

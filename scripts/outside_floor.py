@@ -1,0 +1,80 @@
+"""What a batched grad outside a compiled model costs per call, beside what torch itself costs.
+
+``python scripts/outside_floor.py [--batch 1] [--reps 2000]``, pinned to one core
+(``taskset -c 1``).  The ``sweep`` workload's 3-layer tanh MLP (the benchmark's) as an
+``nn.Module`` whose weights require grad; every row timed interleaved with the others in
+one process, medians in microseconds:
+
+- ``dynbatch inside``: the batched grad compiled with the model (the bench's ``dynbatch``);
+- ``dynbatch outside``: ``torch.compile(model, backend="dynbatch")``, the ``is_grads_batched``
+  grad in eager code around it (the bench's ``dynbatch_outside``);
+- ``stock forward``: ``torch.compile(model)`` (Inductor), the forward alone, with grad;
+- ``stock forward + one plain grad``: the same, then ``torch.autograd.grad`` of one
+  cotangent (not batched): what stock torch.compile takes for a single sample;
+- ``eager Function, batched grad``: a one-op ``autograd.Function`` and its
+  ``is_grads_batched`` grad: the legacy vmap's wrapping and the engine, with no model.
+
+The gap between the first two is a per-call cost; the last three show how much of it
+is torch's own (docs/benchmarks.md, "Grads outside a compiled nn.Module").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import dynbatch  # noqa: F401 - registers the backend
+from dynbatch.bench import variants, workloads
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1, help="B, the cotangents per call")
+    parser.add_argument("--reps", type=int, default=2000, help="timed calls of each row")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    problem = workloads.sweep("cpu", [args.batch], torch.device("cpu"))[0]
+    case = problem.cases[0]
+    x = case.x.detach().requires_grad_()
+    v = case.cotangents
+    inside = torch.compile(variants.with_own_code(variants.batched_program(problem)), backend="dynbatch")
+    outside = torch.compile(variants.as_module(problem.f), backend="dynbatch")
+    stock = torch.compile(variants.as_module(problem.f))
+
+    rows = {
+        "dynbatch inside": lambda: inside(case.x, v),
+        "dynbatch outside": lambda: torch.autograd.grad(outside(x), x, v, is_grads_batched=True),
+        "stock forward": lambda: stock(x),
+        "stock forward + one plain grad": lambda: torch.autograd.grad(stock(x), x, v[0]),
+        "eager Function, batched grad": lambda: torch.autograd.grad(_Copy.apply(x), x, v, is_grads_batched=True),
+    }
+    for call in rows.values():  # compile and warm up
+        for _ in range(50):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(args.reps):
+        for name, call in rows.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    print(f"torch {torch.__version__}, 1 thread, sweep B={args.batch}, medians of {args.reps} interleaved calls")
+    for name, ts in times.items():
+        print(f"{name:32s} {statistics.median(ts) * 1e6:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
