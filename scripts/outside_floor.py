@@ -2,8 +2,12 @@
 
 ``python scripts/outside_floor.py [--batch 1] [--reps 2000]``, pinned to one core
 (``taskset -c 1``).  The ``sweep`` workload's 3-layer tanh MLP (the benchmark's) as an
-``nn.Module`` whose weights require grad; every row timed interleaved with the others in
-one process, medians in microseconds:
+``nn.Module`` whose weights require grad; every row compiled and warmed up in one process,
+then each timed in a run of its own, medians in microseconds (``--interleaved``: in turn,
+which on a 2 MiB L2 adds ~55 us to each of these small calls).  A call's time also depends
+on the state of glibc's heap: where a program's buffers land above its mmap threshold, each
+call faults them in anew (here ``dynbatch inside`` took 132 us instead of 73 until
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` were raised):
 
 - ``dynbatch inside``: the batched grad compiled with the model (the bench's ``dynbatch``);
 - ``dynbatch outside``: ``torch.compile(model, backend="dynbatch")``, the ``is_grads_batched``
@@ -44,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1, help="B, the cotangents per call")
     parser.add_argument("--reps", type=int, default=2000, help="timed calls of each row")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="time the rows' calls in turn, not each row in a run of its own")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -66,12 +72,15 @@ def main() -> None:
         for _ in range(50):
             call()
     times: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(args.reps):
-        for name, call in rows.items():
+    rounds = [list(rows.items())] * args.reps if args.interleaved else \
+        [[(name, call)] * args.reps for name, call in rows.items()]
+    for calls in rounds:
+        for name, call in calls:
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
-    print(f"torch {torch.__version__}, 1 thread, sweep B={args.batch}, medians of {args.reps} interleaved calls")
+    how = "interleaved calls" if args.interleaved else "calls in a run of their own"
+    print(f"torch {torch.__version__}, 1 thread, sweep B={args.batch}, medians of {args.reps} {how}")
     for name, ts in times.items():
         print(f"{name:32s} {statistics.median(ts) * 1e6:8.1f} us")
 
