@@ -97,9 +97,11 @@ def _legacy_batched(program, inputs, others, physical, needed, batch_size, aot_c
 # gradient) has a double backward for AOTAutograd's backward graph.  Vmapped over the
 # cotangents from the saved activations it skips the forward and first backward that the
 # recompute path runs again, but it reads every activation the forward saved, where the
-# recompute path's program fuses them: interleaved on one core, ×0.67-0.91 of the recompute
-# path's time on the benchmark's Hessian rows, HVPs, Laplacian and LJ N = 24, ×1.03 at LJ
-# N = 100, ×1.22 on MACE's Hessian rows.  So such a region measures both.  Its first calls
+# recompute path's program fuses them.  Timed in turn in one process on one core (glibc's
+# mmap threshold raised, else its page faults swamp the difference): ×0.84-0.89 of the
+# recompute's time on the benchmark's HVPs (K = 8), Laplacian and LJ N = 24, ×0.96-1.00 on its
+# Hessian rows and LJ N = 100; ×1.22 on MACE's Hessian rows (one run, glibc as it is).  So such
+# a region measures both.  Its first calls
 # (per set of grads and B's power of two) take the recompute path, which a one-off call (a
 # Hessian computed once) then never leaves: nothing else compiles.  After WARM of them the
 # saved activations' program compiles and runs WARM calls; a path's first calls compile it

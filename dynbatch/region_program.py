@@ -52,7 +52,8 @@ class Program:
         self.recompute_batched = recompute_batched
         # Where both batched paths apply and neither is always faster (a graph that takes
         # create_graph grads itself): their trials and choice per set of grads and B
-        # (region_backward.py, NOTE [Saved or recomputed, measured]); None: the saved path.
+        # (region_backward.py, NOTE [Saved or recomputed, measured]); False: the saved path
+        # wherever it applies.
         self.measure_batched = measure_batched
         self.batched_choice: dict[tuple, Any] = {}
         self._compiled = compiled
