@@ -321,22 +321,23 @@ def legacy_add_batch_dim(t: torch.Tensor, batch_dim: int, level: int) -> torch.T
     return torch._add_batch_dim(t, batch_dim, level)
 
 
-@contextlib.contextmanager
-def outside_legacy_vmap() -> Iterator[None]:
-    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits."""
-    depth = legacy_vmap_level()
-    for _ in range(depth):
-        torch._C._vmapmode_decrement_nesting()
-    # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
-    keyed = torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
-    if keyed:
-        torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, False)
-    try:
-        yield
-    finally:
-        if keyed:
-            torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, True)
+class outside_legacy_vmap:  # noqa: N801 - used as a function, like contextlib's
+    """Leave eager's legacy vmap mode, levels and dispatch key, until the context exits.
+    A class, not a generator: every batched grad through a compiled graph enters it."""
+
+    def __enter__(self) -> None:
+        self.depth = depth = legacy_vmap_level()
         for _ in range(depth):
+            torch._C._vmapmode_decrement_nesting()
+        # On a device thread the key is on with a count of 0 (region_batching._legacy_level_of).
+        self.keyed = torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
+        if self.keyed:
+            torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.keyed:
+            torch._C._dispatch_tls_set_dispatch_key_included(_VMAP_MODE, True)
+        for _ in range(self.depth):
             torch._C._vmapmode_increment_nesting()
 
 
@@ -581,18 +582,23 @@ def engine_will_execute_each(nodes: Sequence[Any]) -> tuple[bool, ...]:
     wanted, the last one's answer is yes without asking.  Leaves go last, and of
     them the data last of all: a Jacobian or the forces are taken w.r.t. the
     data, the parameters' grads by ``backward()``, where no answer raises."""
-    def data_leaf_last(k: int) -> tuple[bool, bool]:
-        leaf = type(nodes[k]).__name__ == "AccumulateGrad"
-        return leaf, leaf and not isinstance(nodes[k].variable, torch.nn.Parameter)
-
-    answers: list[bool | None] = [False if n is None else None for n in nodes]
-    order = sorted((k for k, n in enumerate(nodes) if n is not None), key=data_leaf_last)
-    for position, k in enumerate(order):
-        if position == len(order) - 1 and not any(answers):
-            answers[k] = True
+    # Three lists, not a sort by key: this runs on every batched or create_graph backward.
+    inner, parameters, data = [], [], []
+    for k, n in enumerate(nodes):
+        if n is None:
+            continue
+        if type(n).__name__ != "AccumulateGrad":
+            inner.append(k)
+        elif isinstance(n.variable, torch.nn.Parameter):
+            parameters.append(k)
         else:
-            answers[k] = engine_will_execute(nodes[k])
-    return tuple(bool(a) for a in answers)
+            data.append(k)
+    order = inner + parameters + data
+    answers = [False] * len(nodes)
+    last = len(order) - 1
+    for position, k in enumerate(order):
+        answers[k] = True if position == last and not any(answers) else engine_will_execute(nodes[k])
+    return tuple(answers)
 
 
 def is_zero_tensor(t: torch.Tensor) -> bool:

@@ -52,6 +52,13 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
         program.missed = program.missed or torch.is_grad_enabled() or all(k < first_grad for k, _ in out_grads)
     if torch.is_grad_enabled():
         return create_graph_backward(program, inputs, others, out_grads, needed, batching)
+    if batching is not None and batching.kind == "legacy" and not program.random_ops:
+        with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
+            grads, counter = _legacy_batched(program, inputs, others, physical, needed, batch_size,
+                                             lambda: call or aot_call_over_leaves(inner, leaves))
+        if grads is not None:
+            STATS.count(counter)
+            return rewrap(grads)
     inner_backward = functools.partial(_inner_backward, inner, leaves, [k for k, _ in out_grads], needed)
     if batching is None:
         STATS.count(PLAIN)
@@ -59,13 +66,6 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
     if program.random_ops and batching.kind != "nested":
         STATS.count(LOOP)
         return _per_sample(batching, out_grads, inner_backward)
-    if batching.kind == "legacy":
-        with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
-            grads, counter = _legacy_batched(program, inputs, others, physical, needed, batch_size,
-                                             lambda: call or aot_call_over_leaves(inner, leaves))
-        if grads is not None:
-            STATS.count(counter)
-            return rewrap(grads)
     program.log_once("batched", "dynbatch: batched grads through a compiled graph (%s vmap): "
                      "re-running it eagerly for the backward", batching.kind)
     STATS.count(EAGER)

@@ -9,7 +9,7 @@ long enough without it; the vmap internals it reads are ``_compat``'s.
 
 from __future__ import annotations
 
-import contextlib
+from typing import Any, Callable
 
 import torch
 
@@ -24,22 +24,19 @@ class Batching:
         # id(grad) -> (grad, its physical tensor): legacy unwraps batching_of already made.
         self._physical = physical or {}
 
-    @contextlib.contextmanager
-    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]):
-        """Yield (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this vmap level.
+    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]) -> "_Unwrapped":
+        """A context that yields (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this
+        vmap level.
 
         Grads not batched at this level are expanded to B.  ``rewrap`` turns
         physical [B, ...] results (or None) back into batched tensors.
         """
         physical = [(i, self._unwrap(g)) for i, g in out_grads]
-        sizes = {p.shape[0] for (_, p), (_, g) in zip(physical, out_grads) if self._is_batched(g)}
-        batch_size = sizes.pop()
-        physical = [(i, p if self._is_batched(g) else p.expand(batch_size, *p.shape))
-                    for (i, p), (_, g) in zip(physical, out_grads)]
-        # Legacy vmap's dispatch key rejects random ops (Inductor draws some while it
-        # compiles) in every tensor op, batched or not.
-        with _compat.outside_legacy_vmap() if self.kind == "legacy" else contextlib.nullcontext():
-            yield physical, batch_size, self._rewrap
+        batched = [self._is_batched(g) for _, g in out_grads]
+        batch_size = next(p.shape[0] for (_, p), b in zip(physical, batched) if b)
+        if not all(batched):
+            physical = [(i, p if b else p.expand(batch_size, *p.shape)) for (i, p), b in zip(physical, batched)]
+        return _Unwrapped(self, physical, batch_size)
 
     def _is_batched(self, g: torch.Tensor) -> bool:
         if self.kind == "legacy":
@@ -61,6 +58,26 @@ class Batching:
     def _rewrap(self, grads: tuple) -> tuple:
         add = _compat.legacy_add_batch_dim if self.kind == "legacy" else _compat.rewrap_batched
         return tuple(None if g is None else add(g, 0, self.level) for g in grads)
+
+
+class _Unwrapped:
+    """``Batching.unwrapped``'s context: a class, not a generator (every batched grad
+    through a compiled graph enters it).  Legacy vmap's dispatch key rejects random ops
+    (Inductor draws some while it compiles) in every tensor op, batched or not: left
+    for the block."""
+
+    def __init__(self, batching: Batching, physical: list, batch_size: int) -> None:
+        self.batching, self.physical, self.batch_size = batching, physical, batch_size
+        self.outside = _compat.outside_legacy_vmap() if batching.kind == "legacy" else None
+
+    def __enter__(self) -> tuple[list, int, Callable[[tuple], tuple]]:
+        if self.outside is not None:
+            self.outside.__enter__()
+        return self.physical, self.batch_size, self.batching._rewrap
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.outside is not None:
+            self.outside.__exit__(*exc)
 
 
 def batching_of(grads: list[torch.Tensor]) -> Batching | None:

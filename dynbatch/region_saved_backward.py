@@ -241,12 +241,13 @@ class SavedBackward:
         tangents = [self._tangent(node, by_nr.get(nr), nr, layout, batch_size)
                     for nr, layout in zip(self.tangent_nrs, self.layouts)]
         saved = [*symints, *tensors]  # read under no_grad by the program: no detach needed
-        first = self._program(wanted, [*saved, *tangents], options)
+        args = [*saved, *tangents]
+        first = self._program(wanted, args, options)
         if isinstance(first, str):
             return first
         chunk = first.chunk(saved, tangents)
         if chunk >= batch_size:
-            return self._run(first, [*saved, *tangents])
+            return self._run(first, args)
         # Even chunks (sizes differ by at most one), each through the program its sizes pass.
         n = -(-batch_size // chunk)
         sizes = [batch_size // n + (i < batch_size % n) for i in range(n)]
@@ -369,9 +370,13 @@ class _Program:
         return self.planner.chunk_size(self.estimate)
 
     def run(self, args: list[Any]) -> tuple:
-        with torch.no_grad():
-            grads = iter(self.compiled(*args))
-        return tuple(next(grads) if p else None for p in self.present)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                grads = self.compiled(*args)
+        else:  # the engine's usual backward: entering no_grad would cost the call its time
+            grads = self.compiled(*args)
+        it = iter(grads)
+        return tuple(next(it) if p else None for p in self.present)
 
 
 def _graph_of_grads(graph: torch.fx.GraphModule, wanted: tuple[bool, ...]) -> tuple[torch.fx.GraphModule, tuple]:

@@ -20,6 +20,14 @@ call faults them in anew (here ``dynbatch inside`` took 132 us instead of 73 unt
 
 The gap between the first two is a per-call cost; the last three show how much of it
 is torch's own (docs/benchmarks.md, "Grads outside a compiled nn.Module").
+
+``--split``: the ``dynbatch outside`` call alone, in four phases, medians over the calls
+(timestamps taken around dynbatch's routed backward, ``region_direct.Direct.backward``, and
+its program, wrapped by this script for the measurement): the model's forward; torch's
+``autograd.grad`` until dynbatch's backward starts (its pytree and legacy-vmap wrapping, the
+engine, AOTAutograd's node); dynbatch's backward less its program (the plumbing); the
+program (Inductor's, the batched backward from the saved activations); the return to the
+caller (the engine's and vmap's unwrapping).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import time
 import torch
 
 import dynbatch  # noqa: F401 - registers the backend
+from dynbatch import region_direct, region_saved_backward
 from dynbatch.bench import variants, workloads
 
 
@@ -50,8 +59,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2000, help="timed calls of each row")
     parser.add_argument("--interleaved", action="store_true",
                         help="time the rows' calls in turn, not each row in a run of its own")
+    parser.add_argument("--split", action="store_true",
+                        help="time the phases of the outside call instead (see the module's docstring)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.split:
+        split(args.batch, args.reps)
+        return
 
     problem = workloads.sweep("cpu", [args.batch], torch.device("cpu"))[0]
     case = problem.cases[0]
@@ -83,6 +97,54 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread, sweep B={args.batch}, medians of {args.reps} {how}")
     for name, ts in times.items():
         print(f"{name:32s} {statistics.median(ts) * 1e6:8.1f} us")
+
+
+def _timed(cls: type, name: str, stamps: dict[str, float]) -> None:
+    """Wrap ``cls.name`` to record when its calls start and end (this process only)."""
+    original = getattr(cls, name)
+
+    def timed(*args, **kwargs):
+        stamps[name + " in"] = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            stamps[name + " out"] = time.perf_counter()
+
+    setattr(cls, name, timed)
+
+
+def split(batch: int, reps: int) -> None:
+    problem = workloads.sweep("cpu", [batch], torch.device("cpu"))[0]
+    case = problem.cases[0]
+    x = case.x.detach().requires_grad_()
+    v = case.cotangents
+    outside = torch.compile(variants.as_module(problem.f), backend="dynbatch")
+    stamps: dict[str, float] = {}
+    _timed(region_direct.Direct, "backward", stamps)
+    _timed(region_saved_backward._Program, "run", stamps)
+    for _ in range(50):
+        torch.autograd.grad(outside(x), x, v, is_grads_batched=True)
+    phases: dict[str, list[float]] = {name: [] for name in (
+        "forward", "autograd.grad until dynbatch's backward", "dynbatch's backward less its program",
+        "its program", "back to the caller", "whole call")}
+    for _ in range(reps):
+        stamps.clear()
+        start = time.perf_counter()
+        y = outside(x)
+        forward_end = time.perf_counter()
+        torch.autograd.grad(y, x, v, is_grads_batched=True)
+        end = time.perf_counter()
+        if "run in" not in stamps:
+            raise SystemExit("the call did not take the saved activations' program: nothing to split")
+        program = stamps["run out"] - stamps["run in"]
+        for name, seconds in zip(phases, (
+                forward_end - start, stamps["backward in"] - forward_end,
+                stamps["backward out"] - stamps["backward in"] - program, program,
+                end - stamps["backward out"], end - start)):
+            phases[name].append(seconds)
+    print(f"torch {torch.__version__}, 1 thread, sweep B={batch}: dynbatch outside in phases, medians of {reps} calls")
+    for name, ts in phases.items():
+        print(f"{name:40s} {statistics.median(ts) * 1e6:8.1f} us")
 
 
 if __name__ == "__main__":
