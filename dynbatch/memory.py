@@ -60,10 +60,11 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # full_hessian --threads 1`; docs/design.md, "Memory within a budget").
 # CUDA's caching allocator keeps its blocks, so there "auto" is only the fraction.
 # A process started with glibc's tunables raising both thresholds
-# (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...,
-# docs/usage.md, "Memory") keeps freed blocks on its heap: there no call faults,
-# unchunked is fastest (chunks cost 7-31 %, each re-runs the forward), and the cap
-# rises to half the smaller threshold (malloc_keeps_memory_below).
+# (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=..., or
+# MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_; docs/usage.md, "Memory") keeps
+# freed blocks on its heap: there no call faults, unchunked is fastest (chunks cost
+# 7-31 %, each re-runs the forward), and the cap rises to half the smaller threshold
+# (malloc_keeps_memory_below).
 
 # Several batched grads in one graph whose B-dependent memory adds up to more
 # than this run one after another (each within the budget), even if together
@@ -295,19 +296,28 @@ def cpu_speed_cap(environ: Mapping[str, str] = os.environ) -> int:
     """The most a CPU chunk may hold before malloc hands its blocks back to the kernel:
     CPU_AUTO_BUDGET under glibc's defaults, half the smaller threshold where the
     process was started with both raised."""
-    kept = malloc_keeps_memory_below(environ.get("GLIBC_TUNABLES", ""))
+    kept = malloc_keeps_memory_below(environ.get("GLIBC_TUNABLES", ""),
+                                     {name: environ[name] for name in _MALLOC_ALIASES if name in environ})
     return max(CPU_AUTO_BUDGET, kept // 2) if kept else CPU_AUTO_BUDGET
 
 
-def malloc_keeps_memory_below(tunables: str) -> int | None:
+# glibc's older spelling of the two thresholds, one environment variable each (the
+# one docs/usage.md shows for the heap); GLIBC_TUNABLES wins where both name one.
+_MALLOC_ALIASES = {"MALLOC_MMAP_THRESHOLD_": "glibc.malloc.mmap_threshold",
+                   "MALLOC_TRIM_THRESHOLD_": "glibc.malloc.trim_threshold"}
+
+
+def malloc_keeps_memory_below(tunables: str, aliases: Mapping[str, str] | None = None) -> int | None:
     """Bytes below which glibc's malloc neither maps a block afresh nor trims its heap,
-    from a GLIBC_TUNABLES string; None unless it sets both thresholds.  (Setting only
-    one turns off glibc's adaptive thresholds and leaves the other at its 128 KiB
-    default, which faults more, not less.)"""
+    from a GLIBC_TUNABLES string and the ``MALLOC_*_THRESHOLD_`` variables (``aliases``,
+    by name); None unless both thresholds are set.  (Setting only one turns off glibc's
+    adaptive thresholds and leaves the other at its 128 KiB default, which faults more,
+    not less.)"""
+    settings = [(_MALLOC_ALIASES[name], value) for name, value in (aliases or {}).items()]
+    settings += [item.partition("=")[::2] for item in tunables.split(":")]
     values = {}
-    for item in tunables.split(":"):
-        name, _, value = item.partition("=")
-        if name in ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold"):
+    for name, value in settings:
+        if name in _MALLOC_ALIASES.values():
             try:
                 values[name] = int(value, 0)  # decimal or 0x hex; anything else keeps the cap
             except ValueError:

@@ -155,9 +155,22 @@ def test_malloc_keeps_memory_below_reads_both_glibc_thresholds(tunables, kept):
     assert memory.malloc_keeps_memory_below(tunables) == kept
 
 
+@pytest.mark.parametrize("tunables, aliases, kept", [
+    ("", {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "0x40000000"}, 10**9),
+    ("", {"MALLOC_MMAP_THRESHOLD_": "1000000000"}, None),  # the other stays at 128 KiB
+    ("glibc.malloc.trim_threshold=67108864", {"MALLOC_MMAP_THRESHOLD_": "1000000000"}, 2**26),
+    # GLIBC_TUNABLES wins where both spellings name a threshold, as in glibc
+    (KEEP_MEMORY, {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "1048576"}, 2**32),
+])
+def test_malloc_keeps_memory_below_reads_glibcs_environment_variables_too(tunables, aliases, kept):
+    assert memory.malloc_keeps_memory_below(tunables, aliases) == kept
+
+
 def test_cpu_speed_cap_rises_only_where_malloc_keeps_freed_memory():
     assert memory.cpu_speed_cap({}) == memory.CPU_AUTO_BUDGET
     assert memory.cpu_speed_cap({"GLIBC_TUNABLES": KEEP_MEMORY}) == 2**31
+    assert memory.cpu_speed_cap({"MALLOC_MMAP_THRESHOLD_": "4294967296",
+                                 "MALLOC_TRIM_THRESHOLD_": "4294967296"}) == 2**31
     # thresholds below the cap's: the cap stays (chunks of it already fit the heap)
     small = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=1048576"
     assert memory.cpu_speed_cap({"GLIBC_TUNABLES": small}) == memory.CPU_AUTO_BUDGET
