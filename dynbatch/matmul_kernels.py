@@ -40,9 +40,10 @@ order of the sums).
 Inductor lowers ``_linear_pointwise`` only for a weight it has frozen into a
 constant, and sizes are symbolic here, so the choice is a custom op,
 ``dynbatch::mm``.  Inductor lowers it (``lowerings()``) to a plain call of
-``mm`` from its generated code, as it calls ``aten.mm``: an extern call of the
+``mm_out`` from its generated code, as it calls ``aten.mm``: an extern call of the
 op itself would go through the dispatcher's Python kernel, 10-20 us a product.
-That lowering builds Inductor's IR nodes here (``extern_alloc_lowering``): with
+That lowering builds Inductor's IR nodes here (``extern_lowering``), writing into a
+buffer Inductor plans (NOTE [Products into Inductor's buffers]): with
 oneDNN's ``_linear_pointwise``, the private torch APIs this module uses itself,
 not through ``_compat``.  Where the IR moved, products fall back to the op's own
 extern call (fail_soft.py).
@@ -91,20 +92,28 @@ _chosen: dict[tuple, str] = {}
 _lock = threading.Lock()
 
 
-def aten(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+# Each kernel computes ``a @ b`` as a new row-major matrix, or into ``out`` (row-major
+# [M, N], Inductor's buffer: NOTE [Products into Inductor's buffers]).
+
+def aten(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is not None:
+        return torch.mm(a, b, out=out)
     m, n = a.shape[0], b.shape[1]
     if m * n * a.itemsize < native_gemm.HUGE_OUTPUT:  # the op is CPU-only
         return torch.mm(a, b)
     return torch.mm(a, b, out=native_gemm.new_output(m, n, a.dtype))  # NOTE [huge pages for large outputs]
 
 
-def flipped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.mm(b.t(), a.t()).t().contiguous()
+def flipped(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    product = torch.mm(b.t(), a.t()).t()
+    return product.contiguous() if out is None else out.copy_(product)
 
 
-def onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def onednn(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     w = b.t()
-    return torch.ops.mkldnn._linear_pointwise(a, w if w.is_contiguous() else w.contiguous(), None, "none", [], "")
+    product = torch.ops.mkldnn._linear_pointwise(a, w if w.is_contiguous() else w.contiguous(), None, "none",
+                                                 [], "")
+    return product if out is None else out.copy_(product)
 
 
 # NOTE [numpy's BLAS]
@@ -125,8 +134,8 @@ class NumpyBlas:
     def __init__(self, np, blas) -> None:
         self.np, self.blas = np, blas
 
-    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = native_gemm.new_output(a.shape[0], b.shape[1], a.dtype)
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = native_gemm.new_output(a.shape[0], b.shape[1], a.dtype) if out is None else out
         threads, theirs = torch.get_num_threads(), self.blas.get_num_threads()
         if threads != theirs:
             self.blas.set_num_threads(threads)
@@ -154,12 +163,12 @@ def numpy_blas() -> NumpyBlas | None:
     return None
 
 
-def openblas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return numpy_blas().matmul(a, b)
+def openblas(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return numpy_blas().matmul(a, b, out)
 
 
-# name -> kernel(a, b) computing a @ b, as a new contiguous matrix.
-KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+# name -> kernel(a, b, out=None) computing a @ b, as a new contiguous matrix or into out.
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "aten": aten, "flipped": flipped, "onednn": onednn, "openblas": openblas, "avx2": native_gemm.matmul}
 
 
@@ -237,6 +246,25 @@ def mm(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     with _lock:
         _chosen.setdefault(key, name)
     return out
+
+
+def mm_out(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto", *, out: torch.Tensor) -> torch.Tensor:
+    """``mm`` into ``out``, a row-major [M, N] buffer Inductor allocated and nothing read
+    yet (NOTE [Products into Inductor's buffers]); returns ``out``."""
+    native_gemm.advise_huge_pages(out)  # NOTE [huge pages for large outputs]
+    if kernel != "auto":
+        return KERNELS[kernel if applies(kernel, a, b) else "aten"](a, b, out)
+    m, k = a.shape
+    if m < MIN_ROWS and k < MIN_ROWS:  # not tall(m, k), inline: every routed product asks
+        return torch.mm(a, b, out=out)
+    key = shape_key(a, b)
+    name = _chosen.get(key)
+    if name is not None:
+        return KERNELS[name](a, b, out)
+    name, product = measure(a, b)
+    with _lock:
+        _chosen.setdefault(key, name)
+    return out.copy_(product)
 
 
 def measure(a: torch.Tensor, b: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -320,37 +348,59 @@ def op() -> torch._ops.OpOverload:
     return torch.ops.dynbatch.mm.default
 
 
-EXTERN_NAME = "dynbatch_mm"  # extern_kernels.<this> in Inductor's generated code
+# NOTE [Products into Inductor's buffers]
+# Inductor calls ATen's products as ``mm(a, b, out=buf)``, where ``buf`` is a buffer its
+# wrapper plans: one freed by an earlier kernel of the same program where the sizes
+# allow, so a program's intermediates stay few and warm in the cache.  A routed product
+# that allocated its own output (``ExternKernelAlloc``) took a new buffer at every call,
+# and where the measurement then chose ATen's kernel anyway -- every shape of the
+# benchmark on the Xeon -- the routing cost the whole program 1-7 % (bench ``ab
+# dynbatch.cpu_matmul=aten,auto``, one core: ``attention`` ×1.07 at B = 16, ``sweep`` ×1.07
+# at B = 4; into Inductor's buffer ×1.04 and ×1.03, the routed call's Python left).
+# So the op lowers to ``extern_kernels.dynbatch_mm_out(a, b, kernel, out=buf)``
+# (``ExternKernelOut``): ATen's kernel, numpy's BLAS and dynbatch's own GEMM write into
+# the buffer; the flipped orientation and oneDNN, whose results are laid out their own
+# way, copy theirs in (a pass over the output, where they won by 5 % or more).
+
+EXTERN_NAME = "dynbatch_mm_out"  # extern_kernels.<this>(a, b, kernel, out=buf) in Inductor's generated code
+ALLOC_NAME = "dynbatch_mm"  # extern_kernels.<this>(a, b, kernel): where Inductor's out= node does not build
 
 
 def register() -> None:
-    """The op and the extern kernel, before any graph that calls them compiles or loads."""
+    """The op and the extern kernels, before any graph that calls them compiles or loads."""
     op()
-    _compat.register_extern_kernel(EXTERN_NAME, mm)
+    _compat.register_extern_kernel(EXTERN_NAME, mm_out)
+    _compat.register_extern_kernel(ALLOC_NAME, mm)
 
 
 def lowerings() -> dict:
-    """Inductor's lowering of the op (it has none): ``extern_kernels.dynbatch_mm(a, b, kernel)``,
-    in the form ``_compat.inductor_lowerings`` takes."""
-    return {op(): lambda op, _none: extern_alloc_lowering(op, EXTERN_NAME, 0, (1, 1))}
+    """Inductor's lowering of the op (it has none): ``extern_kernels.dynbatch_mm_out(a, b,
+    kernel, out=buf)``, in the form ``_compat.inductor_lowerings`` takes."""
+    return {op(): lambda op, _none: extern_lowering(op, EXTERN_NAME, ALLOC_NAME, 0, (1, 1))}
 
 
-def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
-                          out_cols: tuple[int, int]) -> Callable:
-    """A lowering of ``op`` that calls ``extern_kernels.<name>(*tensors, *constants)`` from the
-    generated code, a plain Python call (the op would go through the dispatcher, 10-20 us on a
-    small product); its output is a new contiguous matrix [size(out_rows, 0), size(out_cols)].
-    Where Inductor's IR differs from what this expects, the op's own extern call instead."""
+def extern_lowering(op: torch._ops.OpOverload, out_name: str, alloc_name: str, out_rows: int,
+                    out_cols: tuple[int, int]) -> Callable:
+    """A lowering of ``op`` that calls ``extern_kernels.<out_name>(*tensors, *constants,
+    out=buf)`` from the generated code, a plain Python call (the op would go through the
+    dispatcher, 10-20 us on a small product), into a row-major buffer [size(out_rows, 0),
+    size(out_cols)] that Inductor plans (NOTE [Products into Inductor's buffers]).  Where
+    Inductor's IR differs from what this expects, ``extern_kernels.<alloc_name>(*tensors,
+    *constants)`` with an output of its own; failing that, the op's own extern call."""
     from torch._inductor import ir
 
     def lower(*args):
         try:
-            return _extern_alloc(*args)
-        except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure path
+            return _extern(ir.ExternKernelOut, out_name, args)
+        except Exception as e:  # noqa: BLE001 - an Inductor internal moved: the slower, sure paths
+            fail_soft.hook_failed(f"the extern call of {op} into Inductor's buffer", e)
+        try:
+            return _extern(ir.ExternKernelAlloc, alloc_name, args)
+        except Exception as e:  # noqa: BLE001
             fail_soft.hook_failed(f"the direct extern call of {op}", e)
             return _compat.inductor_fallback(op)(*args)
 
-    def _extern_alloc(*args):
+    def _extern(node_type: type, name: str, args: tuple):
         # Any layout with a unit stride: a transposed view stays a view (the kernels
         # read it as BLAS does), not a copy.
         tensors = [ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(a))
@@ -358,8 +408,8 @@ def extern_alloc_lowering(op: torch._ops.OpOverload, name: str, out_rows: int,
         constants = tuple(a for a in args if not isinstance(a, ir.IRNode))
         size = [tensors[out_rows].get_size()[0], tensors[out_cols[0]].get_size()[out_cols[1]]]
         layout = ir.FixedLayout(tensors[0].get_device(), tensors[0].get_dtype(), size)
-        return ir.TensorBox.create(ir.ExternKernelAlloc(layout, tensors, constant_args=constants,
-                                                        python_kernel_name=f"extern_kernels.{name}"))
+        return ir.TensorBox.create(node_type(layout, tensors, constant_args=constants,
+                                             python_kernel_name=f"extern_kernels.{name}"))
 
     return lower
 

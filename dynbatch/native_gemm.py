@@ -84,7 +84,14 @@ HUGE_OUTPUT = 2 * HUGE_PAGE  # bytes: a buffer this large surely holds a whole a
 def new_output(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An empty row-major [rows, cols] matrix for a product to write, its whole huge pages
     advised (NOTE [huge pages for large outputs])."""
-    out = torch.empty((rows, cols), dtype=dtype)
+    return advise_huge_pages(torch.empty((rows, cols), dtype=dtype))
+
+
+def advise_huge_pages(out: torch.Tensor) -> torch.Tensor:
+    """Ask for huge pages on the 2 MiB-aligned interior of ``out``, a buffer no one has
+    written yet (Inductor's, for a product's ``out=``); small buffers as they are."""
+    if out.nbytes < HUGE_OUTPUT:
+        return out
     start = (out.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
     end = (out.data_ptr() + out.nbytes) & ~(HUGE_PAGE - 1)
     madvise = _madvise()
@@ -153,11 +160,12 @@ def applies(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dim() == 2 == b.dim() and library() is not None)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (float32 CPU matrices, any strides) as a new row-major matrix."""
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (float32 CPU matrices, any strides) as a new row-major matrix, or into
+    ``out`` (row-major [M, N])."""
     m, k = a.shape
     n = b.shape[1]
-    out = new_output(m, n)
+    out = new_output(m, n) if out is None else out
     if m and n and library().dynbatch_sgemm(m, n, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(),
                                              b.stride(0), b.stride(1), out.data_ptr(), n,
                                              torch.get_num_threads()):

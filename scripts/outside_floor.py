@@ -12,6 +12,7 @@ call faults them in anew (here ``dynbatch inside`` took 132 us instead of 73 unt
 - ``dynbatch inside``: the batched grad compiled with the model (the bench's ``dynbatch``);
 - ``dynbatch outside``: ``torch.compile(model, backend="dynbatch")``, the ``is_grads_batched``
   grad in eager code around it (the bench's ``dynbatch_outside``);
+- ``dynbatch forward``: the same compiled model's forward alone, with grad;
 - ``stock forward``: ``torch.compile(model)`` (Inductor), the forward alone, with grad;
 - ``stock forward + one plain grad``: the same, then ``torch.autograd.grad`` of one
   cotangent (not batched): what stock torch.compile takes for a single sample;
@@ -78,6 +79,7 @@ def main() -> None:
     rows = {
         "dynbatch inside": lambda: inside(case.x, v),
         "dynbatch outside": lambda: torch.autograd.grad(outside(x), x, v, is_grads_batched=True),
+        "dynbatch forward": lambda: outside(x),
         "stock forward": lambda: stock(x),
         "stock forward + one plain grad": lambda: torch.autograd.grad(stock(x), x, v[0]),
         "eager Function, batched grad": lambda: torch.autograd.grad(_Copy.apply(x), x, v, is_grads_batched=True),

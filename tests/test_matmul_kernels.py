@@ -35,9 +35,9 @@ def kernel_calls(monkeypatch):
     """How often each kernel computed a product."""
     calls = {name: 0 for name in matmul_kernels.KERNELS}
     for name, kernel in list(matmul_kernels.KERNELS.items()):
-        def counted(a, b, name=name, kernel=kernel):
+        def counted(a, b, out=None, name=name, kernel=kernel):
             calls[name] += 1
-            return kernel(a, b)
+            return kernel(a, b, out)
         monkeypatch.setitem(matmul_kernels.KERNELS, name, counted)
     return calls
 
@@ -53,6 +53,22 @@ def test_every_kernel_equals_mm_in_every_layout(kernel, dtype, layouts, m, k):
     exact = (a.double() @ b.double()).to(dtype)
     torch.testing.assert_close(out, exact, **({"rtol": 1e-5, "atol": 1e-6 * k} if dtype == torch.float32 else {}))
     assert out.is_contiguous()  # the layout Inductor's lowering declares
+
+
+@pytest.mark.parametrize("kernel", matmul_kernels.CHOICES)
+@pytest.mark.parametrize("layouts", ["rr", "rc", "cr"])
+@pytest.mark.parametrize("m, k", [(8, 24), (matmul_kernels.MIN_ROWS + 100, 24)])
+def test_every_kernel_writes_the_product_into_inductors_buffer(kernel, layouts, m, k):
+    """NOTE [Products into Inductor's buffers]: the generated code's call, ``mm_out(a, b,
+    kernel, out=buf)``, leaves the product in ``buf`` (a reused buffer: any old values go),
+    at the first call of a shape (measured) and the later ones."""
+    a, b = matmul_kernels.operands(m, k, 40, torch.float32, layouts)
+    exact = (a.double() @ b.double()).float()
+    for _ in range(2):
+        buf = torch.full((m, 40), float("nan"))
+        result = matmul_kernels.mm_out(a, b, kernel, out=buf)
+        assert result is buf
+        torch.testing.assert_close(buf, exact, rtol=1e-5, atol=1e-6 * k)
 
 
 def _hugepage_advised(t: torch.Tensor) -> bool:
@@ -84,6 +100,10 @@ def test_an_output_of_megabytes_is_advised_huge_pages_and_keeps_its_values(kerne
         out = matmul_kernels.KERNELS[kernel](a, b)
         torch.testing.assert_close(out, (a.double() @ b.double()).float(), rtol=1e-5, atol=1e-5)
         assert out.is_contiguous() and _hugepage_advised(out)
+        buf = torch.empty(1203, 2600)  # Inductor's buffer, not yet written
+        matmul_kernels.mm_out(a, b, kernel, out=buf)
+        torch.testing.assert_close(buf, out, rtol=0, atol=0)
+        assert _hugepage_advised(buf)
     assert 1023 * 1024 * 4 < native_gemm.HUGE_OUTPUT <= 1024 * 1024 * 4  # under 4 MiB: plain torch.mm
 
 
@@ -356,6 +376,9 @@ def test_generated_code_calls_the_kernel_directly_not_through_the_dispatcher():
     assert_same_grads(out, loop_grads(f(x), x, V))
     text = "\n".join(code)
     assert f"extern_kernels.{matmul_kernels.EXTERN_NAME}(" in text, text
+    # into a buffer of Inductor's wrapper, as its own extern_kernels.mm(..., out=buf)
+    calls = [line for line in text.splitlines() if f"extern_kernels.{matmul_kernels.EXTERN_NAME}(" in line]
+    assert calls and all("out=buf" in line for line in calls), calls
     assert "torch.ops.dynbatch.mm.default(" not in text, text  # (assert_size_stride names the op)
 
 
