@@ -249,8 +249,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
 
 
 def mm_out(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto", *, out: torch.Tensor) -> torch.Tensor:
-    """``mm`` into ``out``, a row-major [M, N] buffer Inductor allocated and nothing read
-    yet (NOTE [Products into Inductor's buffers]); returns ``out``."""
+    """``mm`` into ``out``, a row-major [M, N] buffer Inductor's wrapper planned (fresh, or
+    one an earlier kernel freed: NOTE [Products into Inductor's buffers]); returns ``out``."""
     native_gemm.advise_huge_pages(out)  # NOTE [huge pages for large outputs]
     if kernel != "auto":
         return KERNELS[kernel if applies(kernel, a, b) else "aten"](a, b, out)

@@ -26,7 +26,8 @@ does for every allocation; a no-op where THP is ``never``): 16 faults instead.
 One core, one run each: on the AMD EPYC (Zen 3) dynbatch's AVX2 kernel 47.8 ->
 72.7 GFLOP/s; on an Intel Xeon (AVX-512) MKL 78 -> 125, and [4096, 512] @
 [512, 2048] 125 -> 145.  Every routed kernel that can write into a given output
-takes one from here (ATen's ``mm(out=)``, numpy's BLAS, this GEMM).
+takes one from here (ATen's ``mm(out=)``, numpy's BLAS, this GEMM), and a product
+into Inductor's buffer (``matmul_kernels.mm_out``) has that buffer advised first.
 
 It is plain C with no torch headers, so it builds in a second: with the C compiler
 Inductor would use (``$CC``, else ``gcc``/``cc``), ``-O3 -mavx2 -mfma -fopenmp``,
@@ -88,8 +89,8 @@ def new_output(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torc
 
 
 def advise_huge_pages(out: torch.Tensor) -> torch.Tensor:
-    """Ask for huge pages on the 2 MiB-aligned interior of ``out``, a buffer no one has
-    written yet (Inductor's, for a product's ``out=``); small buffers as they are."""
+    """Ask for huge pages on the 2 MiB-aligned interior of ``out`` before a product writes
+    it (pages already touched keep theirs: a hint for fresh memory); small buffers as they are."""
     if out.nbytes < HUGE_OUTPUT:
         return out
     start = (out.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)

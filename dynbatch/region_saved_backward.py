@@ -373,7 +373,7 @@ class _Program:
         if torch.is_grad_enabled():
             with torch.no_grad():
                 grads = self.compiled(*args)
-        else:  # the engine's usual backward: entering no_grad would cost the call its time
+        else:  # the engine's usual backward: entering no_grad would cost ~2 us for nothing
             grads = self.compiled(*args)
         it = iter(grads)
         return tuple(next(it) if p else None for p in self.present)
