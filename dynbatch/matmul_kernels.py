@@ -230,33 +230,14 @@ def tall(m: int, k: int) -> bool:
     return max(m, k) >= MIN_ROWS
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+def mm(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` by the kernel ``kernel`` names (ATen's where that does not apply), or by
-    the measured fastest ("auto")."""
-    if kernel != "auto":
-        return KERNELS[kernel if applies(kernel, a, b) else "aten"](a, b)
-    m, k = a.shape
-    if m < MIN_ROWS and k < MIN_ROWS:  # not tall(m, k), inline: every routed product asks
-        return KERNELS["aten"](a, b)
-    key = shape_key(a, b)
-    name = _chosen.get(key)
-    if name is not None:
-        return KERNELS[name](a, b)
-    name, out = measure(a, b)
-    with _lock:
-        _chosen.setdefault(key, name)
-    return out
-
-
-def mm_out(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto", *, out: torch.Tensor) -> torch.Tensor:
-    """``mm`` into ``out``, a row-major [M, N] buffer Inductor's wrapper planned (fresh, or
-    one an earlier kernel freed: NOTE [Products into Inductor's buffers]); returns ``out``."""
-    native_gemm.advise_huge_pages(out)  # NOTE [huge pages for large outputs]
+    the measured fastest ("auto"); as a new matrix, or into ``out`` (row-major [M, N])."""
     if kernel != "auto":
         return KERNELS[kernel if applies(kernel, a, b) else "aten"](a, b, out)
     m, k = a.shape
     if m < MIN_ROWS and k < MIN_ROWS:  # not tall(m, k), inline: every routed product asks
-        return torch.mm(a, b, out=out)
+        return KERNELS["aten"](a, b, out)
     key = shape_key(a, b)
     name = _chosen.get(key)
     if name is not None:
@@ -264,7 +245,14 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto", *, out: torch
     name, product = measure(a, b)
     with _lock:
         _chosen.setdefault(key, name)
-    return out.copy_(product)
+    return product if out is None else out.copy_(product)
+
+
+def mm_out(a: torch.Tensor, b: torch.Tensor, kernel: str = "auto", *, out: torch.Tensor) -> torch.Tensor:
+    """``mm`` into ``out``, a row-major [M, N] buffer Inductor's wrapper planned (fresh, or
+    one an earlier kernel freed: NOTE [Products into Inductor's buffers]); returns ``out``."""
+    native_gemm.advise_huge_pages(out)  # NOTE [huge pages for large outputs]
+    return mm(a, b, kernel, out)
 
 
 def measure(a: torch.Tensor, b: torch.Tensor) -> tuple[str, torch.Tensor]:
