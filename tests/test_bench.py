@@ -502,10 +502,12 @@ def test_gemm_times_every_kernel(capsys, tmp_path):
         assert all(_number(row[f"{k} GF/s"]) > 0 for k in ["torch", *kernels]), row
         if "onednn" in kernels:
             assert _number(row["onednn / aten time"]) > 0, row
-        if peak.core_peak_gflops():  # each row's fastest kernel as a fraction of the measured peak
+        if peak.core_peak_gflops():  # each row's fastest kernel as a fraction of its FMA loop
+            assert _number(row["FMA loop GF/s"]) > 0, row
             fraction, fastest = row["dynbatch's best / peak"].split()
-            assert 0 < float(fraction) < 1.5 and fastest.strip("()") in kernels, row
-            assert float(fraction) <= float(row["its fastest run / peak"]) < 1.5, row  # a run beats the median
+            assert fastest.strip("()") in kernels, row
+            # tiny quick shapes: both times are mostly the call, not the FLOPs
+            assert 0 < float(fraction) < 3 and 0 < float(row["its fastest run / peak"]) < 3, row
 
 
 def test_gemm_takes_k_and_n_apart_and_row_major_operands(capsys):

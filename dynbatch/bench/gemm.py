@@ -8,16 +8,18 @@
 kernels] in dynbatch/matmul_kernels.py), or ``[M, K] @ [K, N]`` with ``--layout rr``,
 for K = N (``--kn``) or every K and N given (``--k``, ``--n``), by a plain
 ``torch.mm`` and each kernel of ``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, the same on
-the transposed problem, oneDNN's linear, numpy's OpenBLAS and dynbatch's own AVX2
-GEMM, where this process has them) and, when JAX is importable, XLA's dot at "highest"
+the transposed problem, oneDNN's linear, numpy's OpenBLAS and dynbatch's own GEMM's AVX2
+and AVX-512 builds, where this process has them) and, when JAX is importable, XLA's dot at "highest"
 precision (its figure includes ``jax.jit``'s dispatch), timed interleaved
 (measure.interleaved_times).  GFLOP/s per kernel and shape, and oneDNN's time
 over ATen's: what ``cpu_matmul="auto"`` and ``matmul_kernels.MIN_ROWS`` decide
 from.  With ``--threads N`` the process is pinned to N cores before XLA sizes its
-thread pool.  Above the table, the core's float32 peak, measured by an FMA loop
-(peak.py), and in the table the fastest of dynbatch's kernels as a fraction of it
-(peak x threads): its median, and its fastest run (the peak is the best of its runs;
-on a shared machine the median of every kernel lies well below it).  Every kernel returns a new matrix, as a program's product does: an
+thread pool.  The core's float32 peak is measured by an FMA loop (peak.py): once above
+the table, and for each shape as one more column timed interleaved with the kernels, as
+many FLOPs as the product (a core's clock moves during a run: on a Xeon VM a kernel
+once ran at 1.05 of a peak measured at the run's start).  In the table, the fastest of
+dynbatch's kernels as a fraction of that shape's FMA loop (x threads): median over
+median, and fastest run over the loop's fastest run.  Every kernel returns a new matrix, as a program's product does: an
 output above glibc's mmap threshold is fresh pages each call, and their faults are in
 the figure (dynbatch's kernels advise huge pages for them, the ``torch`` column does
 not: NOTE [huge pages for large outputs]).  ``--out`` writes the table to a file.
@@ -39,6 +41,7 @@ from dynbatch import matmul_kernels
 from . import cli, measure, peak
 
 ROWS = (8, 64, 512, 1024, 2048, 4096, 8192)
+PEAK = "FMA loop"  # the interleaved column of the core's peak
 WIDTHS = (128, 512)
 QUICK = ((8, 64), (32,))
 
@@ -92,30 +95,32 @@ def main(argv=None) -> int:
     emit(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s, medians; "
           f"CPU: {peak.cpu_model()}")
     core = peak.core_peak_gflops()
-    peak_all = core * torch.get_num_threads() if core else None
     emit(f"core peak (float32 FMA loop, {peak.isa() or 'no AVX2'}): "
           + (f"{core:.3g} GFLOP/s a core" if core else "not measured (no C compiler or no AVX2)"))
+    loop = peak.fma_loop() if core else None
     emit("| M | K | N | " + " | ".join(f"{k} GF/s" for k in kernels) + (" | onednn / aten time" if ratio else "")
-          + (" | dynbatch's best / peak | its fastest run / peak |" if peak_all else " |"))
-    emit("|---|---|---|" + "---|" * (len(kernels) + ratio + 2 * bool(peak_all)))
+          + (" | FMA loop GF/s | dynbatch's best / peak | its fastest run / peak |" if loop else " |"))
+    emit("|---|---|---|" + "---|" * (len(kernels) + ratio + 3 * bool(loop)))
     sizes = [(k, n) for k in args.k for n in args.n] if args.k else [(k, k) for k in args.kn or widths]
     for k, n in sizes:
         for m in args.m or rows:
             a = torch.randn(m, k)
             b = torch.randn(n, k).t() if args.layout == "rc" else torch.randn(k, n)
+            flops = 2 * m * k * n / 1e9
             calls = {name: make(a, b) for name, make in kernels.items()}
+            if loop:  # the core's peak at this shape's clock: as many FLOPs, in the same rounds
+                calls[PEAK] = loop(flops * 1e9)
             timed = measure.interleaved_times(calls, lambda: None, budget)
             med = {name: statistics.median(t["times_s"]) for name, t in timed.items()}
-            flops = 2 * m * k * n / 1e9
             cells = [f"{flops / med[name]:.3g}" for name in kernels]
             if ratio:
                 cells.append(f"×{med['onednn'] / med['aten']:.2f}")
-            if peak_all:  # the fastest of the kernels "auto" chooses from (XLA's is not one)
+            if loop:  # the fastest of the kernels "auto" chooses from (XLA's is not one)
+                threads = torch.get_num_threads()
                 fastest = min((name for name in med if name in matmul_kernels.KERNELS), key=med.get)
-                cells.append(f"{flops / med[fastest] / peak_all:.2g} ({fastest})")
-                # The peak is the best of its runs: the same kernel's best run, like for like.
-                best_run = min(timed[fastest]["times_s"])
-                cells.append(f"{flops / best_run / peak_all:.2g}")
+                cells.append(f"{flops / med[PEAK]:.3g}")
+                cells.append(f"{med[PEAK] / med[fastest] / threads:.2g} ({fastest})")
+                cells.append(f"{min(timed[PEAK]['times_s']) / min(timed[fastest]['times_s']) / threads:.2g}")
             emit(f"| {m} | {k} | {n} | " + " | ".join(cells) + " |")
     if args.out:
         command = "python -m dynbatch.bench gemm " + " ".join(argv if argv is not None else sys.argv[1:])

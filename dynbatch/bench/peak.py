@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from dynbatch import native_gemm
 
@@ -44,7 +45,7 @@ _ISAS = {
     "avx2": ("-mavx2 -mfma", dict(VEC="__m256", SET1="_mm256_set1_ps", FMA="_mm256_fmadd_ps",
                                   ADD="_mm256_add_ps", STORE="_mm256_storeu_ps", LANES="8")),
 }
-ITERATIONS = 20_000_000  # ~0.1-0.2 s a run on a 3 GHz core
+RUN_FLOPS = 5e9  # ~0.03 s a run on a 3 GHz AVX-512 core
 RUNS = 5
 
 
@@ -80,9 +81,9 @@ def isa() -> str | None:
 
 
 @functools.cache
-def core_peak_gflops() -> float | None:
-    """One core's float32 GFLOP/s in a loop of FMAs (the best of RUNS), or None where
-    there is no x86 FMA or no C compiler."""
+def fma_loop() -> Callable[[float], Callable[[], float]] | None:
+    """``loop(flops)``: a thunk that runs about ``flops`` float32 FLOPs of the FMA loop on
+    this thread and returns the FLOPs it ran; None where there is no x86 FMA or no C compiler."""
     kind, compiler = isa(), native_gemm.compiler()  # the compiler dynbatch's own GEMM is built with
     if kind is None or compiler is None:
         return None
@@ -96,9 +97,25 @@ def core_peak_gflops() -> float | None:
             return None
         fma = ctypes.CDLL(str(lib)).fma_flops
     fma.restype, fma.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.POINTER(ctypes.c_float)]
-    sink, best = ctypes.c_float(), 0.0
+    sink, per_iteration = ctypes.c_float(), 12 * int(macros["LANES"]) * 2
+
+    def loop(flops: float) -> Callable[[], float]:
+        iterations = max(1, round(flops / per_iteration))
+        return lambda: fma(iterations, ctypes.byref(sink))
+
+    return loop
+
+
+@functools.cache
+def core_peak_gflops() -> float | None:
+    """One core's float32 GFLOP/s in a loop of FMAs (the best of RUNS), or None where
+    there is no x86 FMA or no C compiler."""
+    loop = fma_loop()
+    if loop is None:
+        return None
+    run, best = loop(RUN_FLOPS), 0.0
     for _ in range(RUNS):
         start = time.perf_counter()
-        flops = fma(ITERATIONS, ctypes.byref(sink))
+        flops = run()
         best = max(best, flops / (time.perf_counter() - start) / 1e9)
     return best
