@@ -21,15 +21,18 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
 - MKL's kernels for this project's AMD EPYC (Zen 3, AVX2) run at 0.55-0.85 of the
   core's float32 peak (96 GFLOP/s, measured by ``bench gemm``'s FMA loop); the
   OpenBLAS that numpy ships leads on some wide products (N = 2048), and dynbatch's
-  own AVX2 GEMM on most tall ones (77-91 GFLOP/s from M = 1024, one core).
+  own AVX2 GEMM on most tall ones (77-91 GFLOP/s from M = 1024, one core);
+- on an Intel Xeon (AVX-512) MKL runs at 0.83-0.97 of the peak but packs a large B
+  for few rows at a memory pass's cost: [128, 2048] @ [2048, 2048] 0.74, where
+  dynbatch's AVX-512 build, which packs B a panel at a time, runs at ~0.85.
 
-So a product has up to five kernels (``KERNELS``): ATen's as given, ATen's on
+So a product has up to six kernels (``KERNELS``): ATen's as given, ATen's on
 the transposed problem (``flipped``, its result copied back to row-major),
 oneDNN's where it applies (float32, ``a`` contiguous, ``b.t()`` contiguous or
 small enough to copy), numpy's BLAS (``openblas``, where numpy and
 threadpoolctl are installed; NOTE [numpy's BLAS]) and dynbatch's own float32
-GEMM (``avx2``, on x86-64 Linux with AVX2 and a C compiler; NOTE [dynbatch's own
-GEMM] in native_gemm.py).  "auto", the default, takes the fastest per shape.  It
+GEMM, built for AVX2 (``avx2``) and for AVX-512 (``avx512``) where the CPU has them
+(x86-64 Linux, a C compiler; NOTE [dynbatch's own GEMM] in native_gemm.py).  "auto", the default, takes the fastest per shape.  It
 is measured, not assumed: the first product of each (power-of-two buckets of
 M, K and N, operand layouts, dtype, threads) runs every applicable kernel on its
 real operands, a few times each, and the fastest is remembered for the rest of
@@ -64,8 +67,8 @@ from . import _compat, fail_soft, native_gemm
 log = logging.getLogger("dynbatch")
 
 # Options.cpu_matmul: "auto" measures; "aten" leaves every product to ATen;
-# "flipped", "onednn", "openblas" and "avx2" take that kernel wherever it applies (tests, comparisons).
-CHOICES = ("auto", "aten", "flipped", "onednn", "openblas", "avx2")
+# "flipped", "onednn", "openblas", "avx2" and "avx512" take that kernel wherever it applies (tests, comparisons).
+CHOICES = ("auto", "aten", "flipped", "onednn", "openblas", "avx2", "avx512")
 # Timed calls of each kernel in a measurement, after one untimed call that
 # builds oneDNN's primitive and warms the caches (the minimum is compared).
 TRIALS = 5
@@ -169,7 +172,8 @@ def openblas(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) 
 
 # name -> kernel(a, b, out=None) computing a @ b, as a new contiguous matrix or into out.
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "aten": aten, "flipped": flipped, "onednn": onednn, "openblas": openblas, "avx2": native_gemm.matmul}
+    "aten": aten, "flipped": flipped, "onednn": onednn, "openblas": openblas, "avx2": native_gemm.matmul,
+    "avx512": native_gemm.matmul_avx512}
 
 
 @functools.cache
@@ -184,8 +188,8 @@ def available(name: str) -> bool:
         return onednn_available()
     if name == "openblas":
         return numpy_blas() is not None
-    if name == "avx2":
-        return native_gemm.library() is not None
+    if name in native_gemm.ISAS:
+        return native_gemm.library(name) is not None
     return True
 
 
@@ -197,8 +201,8 @@ def applies(name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if name == "flipped":
         return a.dtype in (torch.float32, torch.float64)
-    if name == "avx2":
-        return native_gemm.applies(a, b)
+    if name in native_gemm.ISAS:
+        return native_gemm.applies(a, b, name)
     if name == "openblas":
         # .numpy() refuses tensors with a lazy conjugate or negation bit
         return (a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64)

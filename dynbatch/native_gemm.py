@@ -1,18 +1,22 @@
-"""dynbatch's own float32 GEMM for AVX2 CPUs, built once per machine, called through ctypes.
+"""dynbatch's own float32 GEMM for x86-64 CPUs (AVX2, AVX-512), built once per machine, called through ctypes.
 
 NOTE [dynbatch's own GEMM]
-On the AMD EPYC (Zen 3, AVX2 + FMA) dynbatch is developed on, one core's float32
+On the AMD EPYC (Zen 3, AVX2 + FMA) dynbatch was first developed on, one core's float32
 peak is ~96 GFLOP/s (``bench gemm``'s FMA loop).  MKL, which torch's CPU wheels
 call, reaches 0.55-0.85 of it on the batched backward's tall products, numpy's
 OpenBLAS 0.6-0.87, and no well-kept library on the package index ships better
 kernels for this core (the ``blis`` wheel's generic kernels: 15-22 GFLOP/s).  So
-dynbatch carries one GEMM of its own, ``csrc/sgemm_avx2.c``: BLIS's packing and
-blocking around a 6 x 16 AVX2 micro-kernel (which alone runs at 0.95 of the peak;
-whole products 0.78-0.94 by their best runs, docs/results/gemm_cpu.md).  On an
-Intel Xeon (AVX-512) MKL runs at 0.83-0.97 of the core's peak and this kernel, at half
-the vector width, is never chosen (docs/results/gemm_cpu_xeon.md).
-It is one more kernel for ``cpu_matmul="auto"`` to measure (matmul_kernels.py,
-NOTE [CPU matmul kernels]), never assumed faster.
+dynbatch carries one GEMM of its own, ``csrc/sgemm.c``: BLIS's packing and blocking
+around an MR x NR micro-kernel, built twice: for AVX2 (6 x 16; alone 0.95 of that
+core's peak, whole products 0.78-0.94 by their best runs, docs/results/gemm_cpu.md)
+and for AVX-512 (12 x 32) where the CPU has it.  MKL takes its AVX2 code on AMD's
+AVX-512 cores (~110 of a Zen 5 core's ~250 GFLOP/s, where XLA reached 249: issue 36).
+On an Intel Xeon (Sapphire Rapids) MKL runs at 0.83-0.97 of the peak but packs the
+whole of a large B for a few rows: [128, 2048] @ [2048, 2048] 0.74 of the peak.  With
+one block of rows this GEMM packs B a panel at a time, just before its use, the next
+panel prefetched meanwhile (``block_streaming_b``): ~0.85 there.  Each build is one
+more kernel for ``cpu_matmul="auto"`` to measure (matmul_kernels.py, NOTE [CPU matmul
+kernels]), never assumed faster.
 
 NOTE [huge pages for large outputs]
 A product's output of megabytes is fresh memory at most calls: glibc maps an
@@ -30,13 +34,14 @@ takes one from here (ATen's ``mm(out=)``, numpy's BLAS, this GEMM), and a produc
 into Inductor's buffer (``matmul_kernels.mm_out``) has that buffer advised first.
 
 It is plain C with no torch headers, so it builds in a second: with the C compiler
-Inductor would use (``$CC``, else ``gcc``/``cc``), ``-O3 -mavx2 -mfma -fopenmp``,
-into Inductor's cache directory, named by a hash of the source and the command, and
-loaded with ctypes (the call releases the GIL).  Its OpenMP threads are torch's:
-the library asks for ``libgomp.so.1``, which torch's Linux wheels have already
-loaded under that name, and each product runs on ``torch.get_num_threads()`` of
-them.  Where the CPU lacks AVX2 or FMA (torch's own capability check), or no
-compiler builds it, the kernel is simply not available (logged once).
+Inductor would use (``$CC``, else ``gcc``/``cc``), ``-O3 -fopenmp`` and the build's
+instruction-set flags (``ISAS``), into Inductor's cache directory, named by a hash of
+the source and the command, and loaded with ctypes (the call releases the GIL).  Its
+OpenMP threads are torch's: the library asks for ``libgomp.so.1``, which torch's Linux
+wheels have already loaded under that name, and each product runs on
+``torch.get_num_threads()`` of them.  Where the CPU lacks the instruction set (torch's
+own capability check), or no compiler builds it, that build is simply not available
+(logged once).
 """
 
 from __future__ import annotations
@@ -58,8 +63,13 @@ from . import _compat
 
 log = logging.getLogger("dynbatch")
 
-SOURCE = Path(__file__).with_name("csrc") / "sgemm_avx2.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+SOURCE = Path(__file__).with_name("csrc") / "sgemm.c"
+# One build of the source per instruction set: its compiler flags, and the capability
+# torch's own dispatch must report for the build to run here.
+ISAS = {
+    "avx2": (("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"), ("AVX2", "AVX512")),
+    "avx512": (("-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"), ("AVX512",)),
+}
 
 
 HUGE_PAGE = 2 << 20   # bytes: x86-64's transparent huge page
@@ -101,10 +111,10 @@ def advise_huge_pages(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def cpu_supported() -> bool:
-    """x86-64 Linux with AVX2 and FMA, as torch's own dispatch sees the CPU."""
+def cpu_supported(isa: str = "avx2") -> bool:
+    """x86-64 Linux with the instruction set, as torch's own dispatch sees the CPU."""
     return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+            and torch.backends.cpu.get_cpu_capability() in ISAS[isa][1])
 
 
 def compiler() -> str | None:
@@ -114,11 +124,11 @@ def compiler() -> str | None:
     return None
 
 
-def build(cc: str, out_dir: Path) -> Path:
+def build(cc: str, out_dir: Path, isa: str = "avx2") -> Path:
     """The shared library, compiled unless a build of this source and command exists."""
-    command = [cc, *FLAGS]
+    command = [cc, *ISAS[isa][0]]
     digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]
-    target = out_dir / f"sgemm_avx2-{digest}.so"
+    target = out_dir / f"sgemm_{isa}-{digest}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,19 +146,19 @@ def build(cc: str, out_dir: Path) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None where this machine cannot have it."""
-    if not cpu_supported():
+def library(isa: str = "avx2") -> ctypes.CDLL | None:
+    """The loaded kernel built for ``isa``, or None where this machine cannot have it."""
+    if not cpu_supported(isa):
         return None
     cc = compiler()
     if cc is None:
-        log.info("dynbatch: no C compiler found: its AVX2 GEMM is not available")
+        log.info("dynbatch: no C compiler found: its %s GEMM is not available", isa)
         return None
     try:
-        lib = ctypes.CDLL(str(build(cc, Path(_compat.inductor_cache_dir()) / "dynbatch")))
+        lib = ctypes.CDLL(str(build(cc, Path(_compat.inductor_cache_dir()) / "dynbatch", isa)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.info("dynbatch: its AVX2 GEMM did not build or load (%s): not available", str(detail)[-500:])
+        log.info("dynbatch: its %s GEMM did not build or load (%s): not available", isa, str(detail)[-500:])
         return None
     size, ptr = ctypes.c_long, ctypes.c_void_p
     lib.dynbatch_sgemm.argtypes = [size, size, size, ptr, size, size, ptr, size, size, ptr, size, ctypes.c_int]
@@ -156,19 +166,24 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+def applies(a: torch.Tensor, b: torch.Tensor, isa: str = "avx2") -> bool:
     return (a.dtype == torch.float32 == b.dtype and a.device.type == "cpu" == b.device.type
-            and a.dim() == 2 == b.dim() and library() is not None)
+            and a.dim() == 2 == b.dim() and library(isa) is not None)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, isa: str = "avx2") -> torch.Tensor:
     """``a @ b`` (float32 CPU matrices, any strides) as a new row-major matrix, or into
-    ``out`` (row-major [M, N])."""
+    ``out`` (row-major [M, N]), by the build for ``isa``."""
     m, k = a.shape
     n = b.shape[1]
     out = new_output(m, n) if out is None else out
-    if m and n and library().dynbatch_sgemm(m, n, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(),
-                                             b.stride(0), b.stride(1), out.data_ptr(), n,
-                                             torch.get_num_threads()):
+    if m and n and library(isa).dynbatch_sgemm(m, n, k, a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(),
+                                                b.stride(0), b.stride(1), out.data_ptr(), n,
+                                                torch.get_num_threads()):
         raise MemoryError(f"dynbatch's GEMM could not allocate its packing buffers for [{m}, {k}] @ [{k}, {n}]")
     return out
+
+
+def matmul_avx512(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``matmul`` by the AVX-512 build."""
+    return matmul(a, b, out, "avx512")

@@ -144,7 +144,7 @@ def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.f
 # The dtypes each forced kernel takes; "auto" measures among the kernels that apply.
 _ROUTED_DTYPES = {"auto": (torch.float32, torch.float64), "flipped": (torch.float32, torch.float64),
                   "onednn": (torch.float32,), "openblas": (torch.float32, torch.float64),
-                  "avx2": (torch.float32,)}
+                  "avx2": (torch.float32,), "avx512": (torch.float32,)}
 
 
 def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:

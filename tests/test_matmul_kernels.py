@@ -88,7 +88,7 @@ def _hugepage_advised(t: torch.Tensor) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists() or native_gemm._madvise() is None,
                     reason="Linux only: madvise and /proc/self/smaps")
-@pytest.mark.parametrize("kernel", ["aten", "openblas", "avx2"])
+@pytest.mark.parametrize("kernel", ["aten", "openblas", "avx2", "avx512"])
 def test_an_output_of_megabytes_is_advised_huge_pages_and_keeps_its_values(kernel):
     """NOTE [huge pages for large outputs]: each kernel that writes into an output it is
     given gets one whose aligned interior is advised, and every value is still the product."""
@@ -167,6 +167,7 @@ def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
     assert (measured["onednn"] > 0) == matmul_kernels.onednn_available()
     assert (measured["openblas"] > 0) == matmul_kernels.available("openblas")
     assert (measured["avx2"] > 0) == matmul_kernels.available("avx2")
+    assert (measured["avx512"] > 0) == matmul_kernels.available("avx512")
     matmul_kernels.mm(torch.randn(tall + 5, 32), w.t())  # same bucket: the remembered kernel, once
     assert len(matmul_kernels.chosen()) == 1
     assert sum(kernel_calls.values()) == sum(measured.values()) + 1 and kernel_calls[name] == measured[name] + 1
@@ -178,12 +179,14 @@ def test_auto_measures_once_per_bucket_and_only_tall_products(kernel_calls):
 
 
 @pytest.mark.parametrize("costs, expected", [
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.9, "openblas": 1.1, "avx2": 1.05}, "onednn"),
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 1.1, "avx2": 1.05}, "aten"),
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.97, "openblas": 1.1, "avx2": 0.98}, "aten"),  # a near tie
-    ({"aten": 1.0, "flipped": 0.3, "onednn": 1.03, "openblas": 1.1, "avx2": 1.05}, "flipped"),
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 0.8, "avx2": 1.05}, "openblas"),
-    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 0.8, "avx2": 0.7}, "avx2"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.9, "openblas": 1.1, "avx2": 1.05, "avx512": 1.1}, "onednn"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 1.1, "avx2": 1.05, "avx512": 1.1}, "aten"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 0.97, "openblas": 1.1, "avx2": 0.98, "avx512": 0.96},
+     "aten"),  # a near tie
+    ({"aten": 1.0, "flipped": 0.3, "onednn": 1.03, "openblas": 1.1, "avx2": 1.05, "avx512": 1.1}, "flipped"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 0.8, "avx2": 1.05, "avx512": 1.1}, "openblas"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 0.8, "avx2": 0.7, "avx512": 1.1}, "avx2"),
+    ({"aten": 1.0, "flipped": 1.2, "onednn": 1.03, "openblas": 0.8, "avx2": 0.7, "avx512": 0.5}, "avx512"),
 ])
 def test_auto_takes_the_kernel_measured_fastest(monkeypatch, costs, expected):
     """The measured times decide (a fake clock that each kernel advances by its cost); a
@@ -314,7 +317,7 @@ def _mlp(width, depth, dtype):
 
 
 @needs_onednn
-@pytest.mark.parametrize("kernel", ["flipped", "onednn", "openblas", "avx2", "auto"])
+@pytest.mark.parametrize("kernel", ["flipped", "onednn", "openblas", "avx2", "avx512", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_batched_grads_match_the_loop(kernel, dtype, kernel_calls):
     """Inductor, B symbolic: one graph for every B >= 2, grads equal the eager loop's."""
@@ -335,8 +338,8 @@ def test_compiled_batched_grads_match_the_loop(kernel, dtype, kernel_calls):
     assert dynbatch.counters()["graphs"] == 2, dynbatch.counters()  # B=1, then one graph for B >= 2
     if kernel in ("flipped", "openblas"):
         assert kernel_calls[kernel] > 0
-    elif kernel == "avx2":  # float32 only: float64 products stay with ATen
-        assert (kernel_calls["avx2"] > 0) == (dtype == torch.float32)
+    elif kernel in ("avx2", "avx512"):  # float32 only: float64 products stay with ATen
+        assert (kernel_calls[kernel] > 0) == (dtype == torch.float32)
     elif dtype == torch.float32:  # oneDNN forced, or timed by "auto"
         assert kernel_calls["onednn"] > 0
     else:

@@ -1,4 +1,4 @@
-"""dynbatch's own AVX2 GEMM (native_gemm.py, csrc/sgemm_avx2.c) against float64 products."""
+"""dynbatch's own GEMM, its AVX2 and AVX-512 builds (native_gemm.py, csrc/sgemm.c), against float64 products."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import torch
 
 from dynbatch import matmul_kernels, native_gemm
 
-pytestmark = pytest.mark.skipif(native_gemm.library() is None,
-                                reason="no AVX2 + FMA on this CPU, not x86-64 Linux, or no C compiler")
+# The C source's blocking per build: row panels of MR, column panels of NR, K in blocks
+# of KC, N in blocks of NC, rows in blocks of MC per thread (one block of rows: B is
+# packed a panel at a time, just before its use).
+BLOCKING = {"avx2": dict(MR=6, NR=16, KC=512, NC=1024, MC=72),
+            "avx512": dict(MR=12, NR=32, KC=256, NC=2048, MC=240)}
 
-# The C source's blocking: row panels of 6, column panels of 16, K in blocks of 512,
-# N in blocks of 1024, rows in blocks of 72 per thread.
-MR, NR, KC, NC, MC = 6, 16, 512, 1024, 72
+
+@pytest.fixture(params=list(native_gemm.ISAS))
+def isa(request):
+    if native_gemm.library(request.param) is None:
+        pytest.skip(f"no {request.param} on this CPU, not x86-64 Linux, or no C compiler")
+    return request.param
+
+
 
 
 def _layout(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -28,52 +36,57 @@ def _layout(t: torch.Tensor, kind: str) -> torch.Tensor:
     return wide[::2, ::3]
 
 
-def _check(a: torch.Tensor, b: torch.Tensor) -> None:
-    out = native_gemm.matmul(a, b)
+def _check(a: torch.Tensor, b: torch.Tensor, isa: str) -> None:
+    out = native_gemm.matmul(a, b, isa=isa)
     exact = (a.double() @ b.double()).float()
     torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-6 * max(a.shape[1], 1))
     assert out.is_contiguous() and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("m, k, n", [
-    (1, 1, 1), (MR, 8, NR), (MR + 1, 9, NR + 1), (MR * 3 - 1, 23, NR * 2 - 3),  # edge tiles, k not a multiple of 8
-    (MC + 5, 40, 33),            # two row blocks
-    (13, KC + 7, 20),            # K in two blocks: the second accumulates
-    (7, 5, NC + 9),              # N in two blocks
-])
+@pytest.mark.parametrize("shape", [
+    lambda MR, NR, KC, NC, MC: (1, 1, 1),
+    lambda MR, NR, KC, NC, MC: (MR, 8, NR),
+    lambda MR, NR, KC, NC, MC: (MR + 1, 9, NR + 1),  # edge tiles, k not a multiple of 8
+    lambda MR, NR, KC, NC, MC: (MR * 3 - 1, 23, NR * 2 - 3),
+    lambda MR, NR, KC, NC, MC: (MC + 5, 40, 33),  # two row blocks
+    lambda MR, NR, KC, NC, MC: (13, KC + 7, 20),  # K in two blocks: the second accumulates
+    lambda MR, NR, KC, NC, MC: (7, 5, NC + 9),  # N in two blocks
+    lambda MR, NR, KC, NC, MC: (MC, KC + 1, NR * 3 + 1),  # one block of rows, whole and edge panels
+], ids=["1x1x1", "tile", "edges", "edges-k23", "two-row-blocks", "two-k-blocks", "two-n-blocks", "streamed-b"])
 @pytest.mark.parametrize("layouts", ["rr", "rc", "cr", "cc", "ss"])
-def test_equals_the_product_in_every_layout(m, k, n, layouts):
+def test_equals_the_product_in_every_layout(isa, shape, layouts):
+    m, k, n = shape(**BLOCKING[isa])
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    _check(_layout(a, layouts[0]), _layout(b, layouts[1]))
+    _check(_layout(a, layouts[0]), _layout(b, layouts[1]), isa)
 
 
-def test_empty_operands():
-    assert native_gemm.matmul(torch.randn(0, 5), torch.randn(5, 3)).shape == (0, 3)
-    assert native_gemm.matmul(torch.randn(4, 5), torch.randn(5, 0)).shape == (4, 0)
-    torch.testing.assert_close(native_gemm.matmul(torch.randn(4, 0), torch.randn(0, 3)), torch.zeros(4, 3))
+def test_empty_operands(isa):
+    assert native_gemm.matmul(torch.randn(0, 5), torch.randn(5, 3), isa=isa).shape == (0, 3)
+    assert native_gemm.matmul(torch.randn(4, 5), torch.randn(5, 0), isa=isa).shape == (4, 0)
+    torch.testing.assert_close(native_gemm.matmul(torch.randn(4, 0), torch.randn(0, 3), isa=isa), torch.zeros(4, 3))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_torchs_thread_count_gives_the_same_product(threads):
+def test_torchs_thread_count_gives_the_same_product(isa, threads):
     """Row blocks are split between OpenMP threads (more threads than blocks included)."""
     gen = torch.Generator().manual_seed(threads)
-    a, b = torch.randn(MC * 3 + 1, 70, generator=gen), torch.randn(70, 50, generator=gen)
+    a, b = torch.randn(BLOCKING[isa]["MC"] * 3 + 1, 70, generator=gen), torch.randn(70, 50, generator=gen)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = native_gemm.matmul(a, b)
+        out = native_gemm.matmul(a, b, isa=isa)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, (a.double() @ b.double()).float(), rtol=1e-5, atol=1e-4)
 
 
-def test_float32_cpu_matrices_only():
+def test_float32_cpu_matrices_only(isa):
     a, b = torch.randn(8, 4), torch.randn(4, 3)
-    assert native_gemm.applies(a, b) and matmul_kernels.applies("avx2", a, b)
-    assert not native_gemm.applies(a.double(), b.double())
-    assert not native_gemm.applies(a.half(), b.half())
-    assert not native_gemm.applies(a[None], b)
+    assert native_gemm.applies(a, b, isa) and matmul_kernels.applies(isa, a, b)
+    assert not native_gemm.applies(a.double(), b.double(), isa)
+    assert not native_gemm.applies(a.half(), b.half(), isa)
+    assert not native_gemm.applies(a[None], b, isa)
 
 
 def test_shares_torchs_openmp_runtime():
@@ -83,9 +96,9 @@ def test_shares_torchs_openmp_runtime():
     assert len(runtimes) <= 1, runtimes
 
 
-def test_built_once_into_the_cache_then_reused(tmp_path):
+def test_built_once_into_the_cache_then_reused(isa, tmp_path):
     cc = native_gemm.compiler()
-    path = native_gemm.build(cc, tmp_path)
+    path = native_gemm.build(cc, tmp_path, isa)
     stamp = os.stat(path).st_mtime_ns
-    assert native_gemm.build(cc, tmp_path) == path and os.stat(path).st_mtime_ns == stamp
+    assert native_gemm.build(cc, tmp_path, isa) == path and os.stat(path).st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind

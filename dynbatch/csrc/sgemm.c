@@ -1,13 +1,14 @@
-/* dynbatch's float32 GEMM for x86-64 with AVX2 and FMA (NOTE [dynbatch's own GEMM] in
- * dynbatch/native_gemm.py).  C = A @ B with any strides for A and B, C row-major.
+/* dynbatch's float32 GEMM for x86-64 (NOTE [dynbatch's own GEMM] in dynbatch/native_gemm.py).
+ * C = A @ B with any strides for A and B, C row-major.  One source, built twice: with
+ * -mavx2 -mfma (6 x 16 micro-kernel, 8-float vectors) and with -mavx512f (12 x 32,
+ * 16-float vectors); everything but the micro-kernel's vector type and the block sizes
+ * is shared.
  *
  * The layout is BLIS's (Van Zee & van de Geijn, "BLIS: A Framework for Rapidly
  * Instantiating BLAS Functionality", 2015): B is packed in blocks of KC rows x NC
  * columns into panels of NR columns, A in blocks of MC rows x KC into panels of MR
- * rows, and a 6 x 16 micro-kernel keeps its 12 accumulators in registers while it
- * walks one A panel (from L2) against one B panel (from L1).  The block sizes were
- * measured on a Zen 3 core (32 KiB L1, 512 KiB L2): the micro-kernel alone runs at
- * 0.95 of the core's FMA peak; packing and the edges cost the rest.
+ * rows, and an MR x NR micro-kernel keeps its accumulators in registers while it
+ * walks one A panel (from L2) against one B panel (from L1).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,40 +18,71 @@
 #include <omp.h>
 #endif
 
+#ifdef __AVX512F__
+/* 24 of the 32 zmm registers accumulate; one B row is two vectors.  Block sizes measured
+   on an Intel Xeon (Sapphire Rapids: 48 KiB L1, 2 MiB L2): the B panel, 256 x 32
+   floats, is 32 KiB of L1; the A block, 240 x 256, 240 KiB of L2. */
+typedef __m512 vec;
+#define VLEN 16
+#define MR 12
+#define NR 32
+#define MC 240
+#define KC 256
+#define NC 2048
+#define vload _mm512_load_ps
+#define vloadu _mm512_loadu_ps
+#define vstoreu _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vfmadd _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#else
+/* 12 of the 16 ymm registers accumulate.  Block sizes measured on a Zen 3 core (32 KiB
+   L1, 512 KiB L2): the micro-kernel alone runs at 0.95 of the core's FMA peak. */
+typedef __m256 vec;
+#define VLEN 8
 #define MR 6
 #define NR 16
 #define MC 72   /* A block 72 x 512 floats: 144 KiB, in L2 */
 #define KC 512
 #define NC 1024 /* B block 512 x 1024 floats: 2 MiB; 4096 ran wide products 3-7 % slower */
+#define vload _mm256_load_ps
+#define vloadu _mm256_loadu_ps
+#define vstoreu _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vfmadd _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#endif
+#define NV (NR / VLEN) /* vectors in a row of the tile */
 
-/* c[6 x 16] (+)= ap[k x 6] (packed) @ bp[k x 16] (packed); c row stride ldc. */
+/* c[MR x NR] (+)= ap[k x MR] (packed) @ bp[k x NR] (packed); c row stride ldc.  The
+   loops over the tile have constant bounds: unrolled, the accumulators live in registers. */
 static inline void micro_kernel(long k, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
-  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
-  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
-  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
-  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
-  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  vec acc[MR][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
 #pragma GCC unroll 4
   for (long p = 0; p < k; ++p, ap += MR, bp += NR) {
-    __m256 b0 = _mm256_load_ps(bp), b1 = _mm256_load_ps(bp + 8), x;
-    x = _mm256_broadcast_ss(ap + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(ap + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(ap + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(ap + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(ap + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(ap + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+    vec b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = vload(bp + v * VLEN);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      vec x = vset1(ap[r]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(x, b[v], acc[r][v]);
+    }
   }
-#define STORE_ROW(r, v0, v1)                                         \
-  if (accumulate) {                                                  \
-    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(c + (r) * ldc));           \
-    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(c + (r) * ldc + 8));       \
-  }                                                                  \
-  _mm256_storeu_ps(c + (r) * ldc, v0);                               \
-  _mm256_storeu_ps(c + (r) * ldc + 8, v1);
-  STORE_ROW(0, c00, c01) STORE_ROW(1, c10, c11) STORE_ROW(2, c20, c21)
-  STORE_ROW(3, c30, c31) STORE_ROW(4, c40, c41) STORE_ROW(5, c50, c51)
-#undef STORE_ROW
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float *dst = c + r * ldc + v * VLEN;
+      vstoreu(dst, accumulate ? vadd(acc[r][v], vloadu(dst)) : acc[r][v]);
+    }
 }
 
 /* r[0..7] <- its transpose (8 x 8). */
@@ -77,10 +109,8 @@ static void pack_b(long k, long n, const float *b, long sbk, long sbn, float *bp
     for (long p = 0; p < k; ++p) {
       const float *src = b + p * sbk;
       float *dst = bp + p * NR;
-      for (long j = 0; j < full; j += NR, src += NR, dst += NR * k) {
-        _mm256_store_ps(dst, _mm256_loadu_ps(src));
-        _mm256_store_ps(dst + 8, _mm256_loadu_ps(src + 8));
-      }
+      for (long j = 0; j < full; j += NR, src += NR, dst += NR * k)
+        for (int q = 0; q < NR; q += 8) _mm256_store_ps(dst + q, _mm256_loadu_ps(src + q));
     }
   } else if (sbk == 1) {
     /* b is a transposed row-major matrix: 8 of its columns are 8 contiguous rows. */
@@ -120,15 +150,18 @@ static void pack_a(long m, long k, const float *a, long sam, long sak, float *ap
     float *dst = ap + i * k;
     const float *rows = a + i * sam;
     if (mr == MR && sak == 1) {
-      /* 6 rows x 8 columns -> 8 runs of 6, transposed as 8 x 8 with two rows unused: each
-         8-wide store's last two lanes are overwritten by the next store. */
+      /* MR rows x 8 columns -> 8 runs of MR, transposed 8 rows at a time (rows past MR
+         zero): each 8-wide store's lanes past its run are overwritten by the next store. */
       long p = 0;
       for (; p + 8 <= k; p += 8) {
-        __m256 r[8];
-        for (int q = 0; q < MR; ++q) r[q] = _mm256_loadu_ps(rows + q * sam + p);
-        r[6] = r[7] = _mm256_setzero_ps();
-        transpose8(r);
-        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(dst + (p + q) * MR, r[q]);
+        __m256 r[(MR + 7) / 8][8];
+        for (int h = 0; h < (MR + 7) / 8; ++h) {
+          for (int q = 0; q < 8; ++q)
+            r[h][q] = 8 * h + q < MR ? _mm256_loadu_ps(rows + (8 * h + q) * sam + p) : _mm256_setzero_ps();
+          transpose8(r[h]);
+        }
+        for (int q = 0; q < 8; ++q)
+          for (int h = 0; h < (MR + 7) / 8; ++h) _mm256_storeu_ps(dst + (p + q) * MR + 8 * h, r[h][q]);
       }
       for (; p < k; ++p)
         for (int q = 0; q < MR; ++q) dst[p * MR + q] = rows[q * sam + p];
@@ -144,26 +177,51 @@ static void pack_a(long m, long k, const float *a, long sam, long sak, float *ap
   }
 }
 
+/* c[mc x nr] (+)= ap[mc x kc] (packed) @ panel[kc x NR] (packed; nr <= NR of its columns
+ * exist), tile by tile.  With `next`, each tile also prefetches into L2 its share of the
+ * rows of the next panel of b (row stride sbk, NR floats each): a panel packed just
+ * before its use then copies from L2, not from memory. */
+static void panel_tiles(long mc, long nr, long kc, const float *ap, const float *panel, float *c, long ldc,
+                        int accumulate, const float *next, long sbk) {
+  float edge[MR * NR] __attribute__((aligned(64)));
+  long tiles = (mc + MR - 1) / MR, share = (kc + tiles - 1) / tiles;
+  for (long i = 0, t = 0; i < mc; i += MR, ++t) {
+    if (next)
+      for (long p = t * share; p < (t + 1) * share && p < kc; ++p) {
+        for (long q = 0; q < NR; q += 16) _mm_prefetch((const char *)(next + p * sbk + q), _MM_HINT_T1);
+        _mm_prefetch((const char *)(next + p * sbk + NR - 1), _MM_HINT_T1);
+      }
+    long mr = mc - i < MR ? mc - i : MR;
+    float *ci = c + i * ldc;
+    if (mr == MR && nr == NR) {
+      micro_kernel(kc, ap + i * kc, panel, ci, ldc, accumulate);
+    } else {
+      /* An edge tile: the whole tile into a buffer (the packing padded it with
+         zeros), then the part that exists. */
+      micro_kernel(kc, ap + i * kc, panel, edge, NR, 0);
+      for (long q = 0; q < mr; ++q)
+        for (long s = 0; s < nr; ++s) ci[q * ldc + s] = (accumulate ? ci[q * ldc + s] : 0.f) + edge[q * NR + s];
+    }
+  }
+}
+
 /* One packed block: c[mc x nc] (+)= ap[mc x kc] @ bp[kc x nc]. */
 static void block(long mc, long nc, long kc, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
-  float edge[MR * NR] __attribute__((aligned(32)));
+  for (long j = 0; j < nc; j += NR)
+    panel_tiles(mc, nc - j < NR ? nc - j : NR, kc, ap, bp + j * kc, c + j, ldc, accumulate, NULL, 0);
+}
+
+/* The same with b (row-major, row stride sbk) packed a panel at a time into bp, just
+ * before the panel's use, the next one prefetched meanwhile.  For a single block of
+ * rows: a block of b packed whole is used by only mc rows, and where b is larger than
+ * L2 that packing, a pass over memory, cost a quarter of the product's time
+ * ([128, 2048] @ [2048, 2048]); streamed, it overlaps the arithmetic. */
+static void block_streaming_b(long mc, long nc, long kc, const float *ap, const float *b, long sbk, float *bp,
+                              float *c, long ldc, int accumulate) {
   for (long j = 0; j < nc; j += NR) {
     long nr = nc - j < NR ? nc - j : NR;
-    const float *panel = bp + j * kc;
-    for (long i = 0; i < mc; i += MR) {
-      long mr = mc - i < MR ? mc - i : MR;
-      float *cij = c + i * ldc + j;
-      if (mr == MR && nr == NR) {
-        micro_kernel(kc, ap + i * kc, panel, cij, ldc, accumulate);
-      } else {
-        /* An edge tile: the whole tile into a buffer (the packing padded it with
-           zeros), then the part that exists. */
-        micro_kernel(kc, ap + i * kc, panel, edge, NR, 0);
-        for (long q = 0; q < mr; ++q)
-          for (long s = 0; s < nr; ++s)
-            cij[q * ldc + s] = (accumulate ? cij[q * ldc + s] : 0.f) + edge[q * NR + s];
-      }
-    }
+    pack_b(kc, nr, b + j, sbk, 1, bp);
+    panel_tiles(mc, nr, kc, ap, bp, c + j, ldc, accumulate, j + NR < nc ? b + j + NR : NULL, sbk);
   }
 }
 
@@ -192,6 +250,11 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
     long nc = n - jc < NC ? n - jc : NC;
     for (long pc = 0; pc < k; pc += KC) {
       long kc = k - pc < KC ? k - pc : KC;
+      if (blocks == 1 && sbn == 1) {
+        pack_a(m, kc, a + pc * sak, sam, sak, aps);
+        block_streaming_b(m, nc, kc, aps, b + pc * sbk + jc, sbk, bp, c + jc, ldc, pc > 0);
+        continue;
+      }
       pack_b(kc, nc, b + pc * sbk + jc * sbn, sbk, sbn, bp);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
       for (long ib = 0; ib < blocks; ++ib) {
