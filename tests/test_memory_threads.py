@@ -160,21 +160,34 @@ def _call_past_fx_flag_race(compiled, x, V):
 
 
 @pytest.fixture
-def dynamo_config_restored():
-    """torch 2.11 keeps config overrides process-wide (2.12 on, per context):
-    ``torch.compile(dynamic=True)`` sets ``assume_static_by_default=False`` on
-    each call's entry and restores it on exit, so threads entering and leaving
-    in an interleaved order can leave it False (a torch race, any backend).
-    Every later compile in the process would then make its ints symbolic."""
+def dynamo_state_restored():
+    """torch 2.11 keeps two pieces of Dynamo's state process-wide that each compiled
+    call sets on entry and restores on exit, so threads entering and leaving in an
+    interleaved order can leave them changed (a torch race, any backend; 2.12 on keeps
+    the first per context and has no second):
+
+    - config overrides: ``torch.compile(dynamic=True)`` sets
+      ``assume_static_by_default=False``; left False, every later compile in the
+      process makes its ints symbolic;
+    - the eval-frame override: a ``fullgraph=True`` call sets it to SKIP; left SKIP,
+      every later compiled call runs what it calls after a graph break without
+      Dynamo (no graph for it: a later test asserting one failed, 2.11 only)."""
     config = torch._dynamo.config
     saved = config.get_config_copy()
+    eval_frame = torch._C._dynamo.eval_frame
+    override = getattr(eval_frame, "set_eval_frame_override", None)  # torch 2.11 only
+    if override is not None:
+        saved_override = override(eval_frame._EvalFrameOverride.NONE)
+        override(saved_override)
     yield
     for key, value in saved.items():
         if getattr(config, key) != value:
             setattr(config, key, value)
+    if override is not None:
+        override(saved_override)
 
 
-@pytest.mark.usefixtures("dynamo_config_restored")
+@pytest.mark.usefixtures("dynamo_state_restored")
 @pytest.mark.parametrize("warm", [True, False], ids=["compiled_first", "racing_to_compile"])
 def test_four_threads_get_correct_grads(warm):
     compiled = compile_dynbatch(jacobian_program, dynamic=True)
