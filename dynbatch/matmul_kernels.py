@@ -273,6 +273,18 @@ def measure(a: torch.Tensor, b: torch.Tensor) -> tuple[str, torch.Tensor]:
     name = min(best, key=best.get)
     if "aten" in best and best[name] > MARGIN * best["aten"]:
         name = "aten"
+    if name != "aten" and "aten" in best:
+        # Confirmed head to head: among six kernels one round's noise can crown a near tie
+        # ([4096, 64] @ [64, 256] went to `avx512`, 3 % slower than ATen's alone, and cost
+        # `attention` 2-5 %).
+        again = {"aten": float("inf"), name: float("inf")}
+        for _ in range(TRIALS):
+            for other in again:
+                start = time.perf_counter()
+                outs[other] = kernels[other](a, b)
+                again[other] = min(again[other], time.perf_counter() - start)
+        if again[name] > MARGIN * again["aten"]:
+            name = "aten"
     log.debug("dynbatch: CPU matmul [%d, %d] @ [%d, %d] (%s%s) %s, %d threads: %s (%s)", *a.shape, *b.shape,
               layout(a), layout(b), a.dtype, torch.get_num_threads(), name,
               ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in best.items()))

@@ -206,6 +206,29 @@ def test_auto_takes_the_kernel_measured_fastest(monkeypatch, costs, expected):
     torch.testing.assert_close(out, a @ w.t())
 
 
+@pytest.mark.parametrize("later_cost, expected", [(0.5, "flipped"), (0.97, "aten")])
+def test_a_win_over_aten_is_confirmed_head_to_head(monkeypatch, later_cost, expected):
+    """A kernel that beat ATen in the round of every kernel keeps the product only if it
+    beats ATen again, the two alone: here `flipped` costs 0.5 in that round (its untimed
+    call included), then ``later_cost``."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(matmul_kernels, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    calls = {"flipped": 0}
+    for name, kernel in list(matmul_kernels.KERNELS.items()):
+        def timed(a, b, name=name, kernel=kernel):
+            if name == "flipped":
+                calls["flipped"] += 1
+                clock["now"] += 0.5 if calls["flipped"] <= 1 + matmul_kernels.TRIALS else later_cost
+            else:
+                clock["now"] += 1.0
+            return kernel(a, b)
+        monkeypatch.setitem(matmul_kernels.KERNELS, name, timed)
+    a, w = torch.randn(matmul_kernels.MIN_ROWS, 8), torch.randn(4, 8)
+    name, out = matmul_kernels.measure(a, w.t())
+    assert name == expected and calls["flipped"] == 1 + 2 * matmul_kernels.TRIALS
+    torch.testing.assert_close(out, a @ w.t())
+
+
 def _traced(fn, *args, mode="symbolic"):
     return make_fx(fn, tracing_mode=mode)(*args)
 
