@@ -8,7 +8,9 @@
  * Instantiating BLAS Functionality", 2015): B is packed in blocks of KC rows x NC
  * columns into panels of NR columns, A in blocks of MC rows x KC into panels of MR
  * rows, and an MR x NR micro-kernel keeps its accumulators in registers while it
- * walks one A panel (from L2) against one B panel (from L1).
+ * walks one A panel (from L2) against one B panel (from L1).  Two departures, for the
+ * shapes where packing costs more than it saves: a narrow product reads a row-major A
+ * in place, and a single block of rows packs B a panel at a time (block_streaming_b).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -55,23 +57,26 @@ typedef __m256 vec;
 #define vadd _mm256_add_ps
 #endif
 #define NV (NR / VLEN) /* vectors in a row of the tile */
+#define A_IN_PLACE_MAX_N 256 /* a row-major A is read in place for products this narrow */
 
-/* c[MR x NR] (+)= ap[k x MR] (packed) @ bp[k x NR] (packed); c row stride ldc.  The
-   loops over the tile have constant bounds: unrolled, the accumulators live in registers. */
-static inline void micro_kernel(long k, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
+/* c[MR x NR] (+)= a[MR x k] @ bp[k x NR] (packed); c row stride ldc; a's element (r, p)
+   at a[r * ars + p * aps].  The loops over the tile have constant bounds: unrolled, the
+   accumulators live in registers; inlined, each caller's strides are constants. */
+static inline __attribute__((always_inline)) void tile(long k, const float *a, long ars, long aps, const float *bp,
+                                                       float *c, long ldc, int accumulate) {
   vec acc[MR][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
 #pragma GCC unroll 4
-  for (long p = 0; p < k; ++p, ap += MR, bp += NR) {
+  for (long p = 0; p < k; ++p, a += aps, bp += NR) {
     vec b[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = vload(bp + v * VLEN);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      vec x = vset1(ap[r]);
+      vec x = vset1(a[r * ars]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(x, b[v], acc[r][v]);
     }
@@ -83,6 +88,16 @@ static inline void micro_kernel(long k, const float *ap, const float *bp, float 
       float *dst = c + r * ldc + v * VLEN;
       vstoreu(dst, accumulate ? vadd(acc[r][v], vloadu(dst)) : acc[r][v]);
     }
+}
+
+/* A tile from a packed A panel, ap[k][MR]. */
+static void micro_kernel(long k, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
+  tile(k, ap, 1, MR, bp, c, ldc, accumulate);
+}
+
+/* A tile from MR rows of a row-major a in place (row stride lda). */
+static void micro_kernel_rows(long k, const float *a, long lda, const float *bp, float *c, long ldc, int accumulate) {
+  tile(k, a, lda, 1, bp, c, ldc, accumulate);
 }
 
 /* r[0..7] <- its transpose (8 x 8). */
@@ -177,11 +192,19 @@ static void pack_a(long m, long k, const float *a, long sam, long sak, float *ap
   }
 }
 
-/* c[mc x nr] (+)= ap[mc x kc] (packed) @ panel[kc x NR] (packed; nr <= NR of its columns
- * exist), tile by tile.  With `next`, each tile also prefetches into L2 its share of the
- * rows of the next panel of b (row stride sbk, NR floats each): a panel packed just
- * before its use then copies from L2, not from memory. */
-static void panel_tiles(long mc, long nr, long kc, const float *ap, const float *panel, float *c, long ldc,
+/* The A block tiles read: packed panels, ap[mc / MR][kc][MR]; or, with `rows`, a's rows in
+ * place (row stride lda, unit column stride) and only a last, partial tile's rows packed,
+ * ap[kc][MR]. */
+struct a_block {
+  const float *ap, *rows;
+  long lda;
+};
+
+/* c[mc x nr] (+)= a[mc x kc] @ panel[kc x NR] (packed; nr <= NR of its columns exist),
+ * tile by tile.  With `next`, each tile also prefetches into L2 its share of the rows of
+ * the next panel of b (row stride sbk, NR floats each): a panel packed just before its
+ * use then copies from L2, not from memory. */
+static void panel_tiles(long mc, long nr, long kc, struct a_block a, const float *panel, float *c, long ldc,
                         int accumulate, const float *next, long sbk) {
   float edge[MR * NR] __attribute__((aligned(64)));
   long tiles = (mc + MR - 1) / MR, share = (kc + tiles - 1) / tiles;
@@ -193,22 +216,29 @@ static void panel_tiles(long mc, long nr, long kc, const float *ap, const float 
       }
     long mr = mc - i < MR ? mc - i : MR;
     float *ci = c + i * ldc;
+    const float *ap = a.rows ? a.ap : a.ap + i * kc;
     if (mr == MR && nr == NR) {
-      micro_kernel(kc, ap + i * kc, panel, ci, ldc, accumulate);
+      if (a.rows)
+        micro_kernel_rows(kc, a.rows + i * a.lda, a.lda, panel, ci, ldc, accumulate);
+      else
+        micro_kernel(kc, ap, panel, ci, ldc, accumulate);
     } else {
       /* An edge tile: the whole tile into a buffer (the packing padded it with
          zeros), then the part that exists. */
-      micro_kernel(kc, ap + i * kc, panel, edge, NR, 0);
+      if (a.rows && mr == MR)
+        micro_kernel_rows(kc, a.rows + i * a.lda, a.lda, panel, edge, NR, 0);
+      else
+        micro_kernel(kc, ap, panel, edge, NR, 0);
       for (long q = 0; q < mr; ++q)
         for (long s = 0; s < nr; ++s) ci[q * ldc + s] = (accumulate ? ci[q * ldc + s] : 0.f) + edge[q * NR + s];
     }
   }
 }
 
-/* One packed block: c[mc x nc] (+)= ap[mc x kc] @ bp[kc x nc]. */
-static void block(long mc, long nc, long kc, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
+/* One block: c[mc x nc] (+)= a[mc x kc] @ bp[kc x nc] (packed). */
+static void block(long mc, long nc, long kc, struct a_block a, const float *bp, float *c, long ldc, int accumulate) {
   for (long j = 0; j < nc; j += NR)
-    panel_tiles(mc, nc - j < NR ? nc - j : NR, kc, ap, bp + j * kc, c + j, ldc, accumulate, NULL, 0);
+    panel_tiles(mc, nc - j < NR ? nc - j : NR, kc, a, bp + j * kc, c + j, ldc, accumulate, NULL, 0);
 }
 
 /* The same with b (row-major, row stride sbk) packed a panel at a time into bp, just
@@ -218,10 +248,11 @@ static void block(long mc, long nc, long kc, const float *ap, const float *bp, f
  * ([128, 2048] @ [2048, 2048]); streamed, it overlaps the arithmetic. */
 static void block_streaming_b(long mc, long nc, long kc, const float *ap, const float *b, long sbk, float *bp,
                               float *c, long ldc, int accumulate) {
+  struct a_block a = {ap, NULL, 0};
   for (long j = 0; j < nc; j += NR) {
     long nr = nc - j < NR ? nc - j : NR;
     pack_b(kc, nr, b + j, sbk, 1, bp);
-    panel_tiles(mc, nr, kc, ap, bp, c + j, ldc, accumulate, j + NR < nc ? b + j + NR : NULL, sbk);
+    panel_tiles(mc, nr, kc, a, bp, c + j, ldc, accumulate, j + NR < nc ? b + j + NR : NULL, sbk);
   }
 }
 
@@ -246,6 +277,10 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
     free(aps);
     return -1;
   }
+  /* A narrow product reuses each packed A block for few B panels: read a row-major A in
+     place instead (AVX-512 on the Xeon: [4096, 512] @ [512, 128] 140 -> 155 GFLOP/s,
+     [1024, 512] @ [512, 128] 141 -> 159; N = 512 a tie; from N = 1024 packing wins). */
+  int in_place = sak == 1 && n <= A_IN_PLACE_MAX_N;
   for (long jc = 0; jc < n; jc += NC) {
     long nc = n - jc < NC ? n - jc : NC;
     for (long pc = 0; pc < k; pc += KC) {
@@ -264,8 +299,17 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
         float *ap = aps;
 #endif
         long ic = ib * MC, mc = m - ic < MC ? m - ic : MC;
-        pack_a(mc, kc, a + ic * sam + pc * sak, sam, sak, ap);
-        block(mc, nc, kc, ap, bp, c + ic * ldc + jc, ldc, pc > 0);
+        const float *rows = a + ic * sam + pc * sak;
+        struct a_block block_a = {ap, NULL, 0};
+        if (in_place) {
+          long whole = mc / MR * MR;
+          if (whole < mc) pack_a(mc - whole, kc, rows + whole * sam, sam, sak, ap);
+          block_a.rows = rows;
+          block_a.lda = sam;
+        } else {
+          pack_a(mc, kc, rows, sam, sak, ap);
+        }
+        block(mc, nc, kc, block_a, bp, c + ic * ldc + jc, ldc, pc > 0);
       }
     }
   }
