@@ -53,8 +53,9 @@ def _check(a: torch.Tensor, b: torch.Tensor, isa: str) -> None:
     lambda MR, NR, KC, NC, MC: (7, 5, NC + 9),  # N in two blocks
     lambda MR, NR, KC, NC, MC: (MC, KC + 1, NR * 3 + 1),  # one block of rows, whole and edge panels
     lambda MR, NR, KC, NC, MC: (MC * 2 + MR + 3, KC + 5, NR * 2 + 7),  # narrow: a row-major A in place
+    lambda MR, NR, KC, NC, MC: (MR * 2 + MR * 2 // 3, 19, NR * 2),  # a last tile of 2/3 MR: its own kernel
 ], ids=["1x1x1", "tile", "edges", "edges-k23", "two-row-blocks", "two-k-blocks", "two-n-blocks", "streamed-b",
-        "a-in-place"])
+        "a-in-place", "edge-rows-kernel"])
 @pytest.mark.parametrize("layouts", ["rr", "rc", "cr", "cc", "ss"])
 def test_equals_the_product_in_every_layout(isa, shape, layouts):
     m, k, n = shape(**BLOCKING[isa])

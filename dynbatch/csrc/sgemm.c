@@ -57,16 +57,17 @@ typedef __m256 vec;
 #define vadd _mm256_add_ps
 #endif
 #define NV (NR / VLEN) /* vectors in a row of the tile */
+#define EDGE_MR (MR * 2 / 3) /* the rows of a last tile that has its own kernel (M = 128: 10 x 12 + 8) */
 #define A_IN_PLACE_MAX_N 256 /* a row-major A is read in place for products this narrow */
 
-/* c[MR x NR] (+)= a[MR x k] @ bp[k x NR] (packed); c row stride ldc; a's element (r, p)
+/* c[rows x NR] (+)= a[rows x k] @ bp[k x NR] (packed); c row stride ldc; a's element (r, p)
    at a[r * ars + p * aps].  The loops over the tile have constant bounds: unrolled, the
-   accumulators live in registers; inlined, each caller's strides are constants. */
+   accumulators live in registers; inlined, each caller's strides and rows are constants. */
 static inline __attribute__((always_inline)) void tile(long k, const float *a, long ars, long aps, const float *bp,
-                                                       float *c, long ldc, int accumulate) {
+                                                       float *c, long ldc, int accumulate, const int rows) {
   vec acc[MR][NV];
 #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < rows; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
 #pragma GCC unroll 4
@@ -75,14 +76,14 @@ static inline __attribute__((always_inline)) void tile(long k, const float *a, l
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = vload(bp + v * VLEN);
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < rows; ++r) {
       vec x = vset1(a[r * ars]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(x, b[v], acc[r][v]);
     }
   }
 #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < rows; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float *dst = c + r * ldc + v * VLEN;
@@ -92,12 +93,18 @@ static inline __attribute__((always_inline)) void tile(long k, const float *a, l
 
 /* A tile from a packed A panel, ap[k][MR]. */
 static void micro_kernel(long k, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
-  tile(k, ap, 1, MR, bp, c, ldc, accumulate);
+  tile(k, ap, 1, MR, bp, c, ldc, accumulate, MR);
+}
+
+/* The first EDGE_MR rows of a tile from a packed A panel: a last tile of few rows
+   computes no rows it does not have ([128, K] @ [K, N]: 3 % of the time went to them). */
+static void micro_kernel_edge(long k, const float *ap, const float *bp, float *c, long ldc, int accumulate) {
+  tile(k, ap, 1, MR, bp, c, ldc, accumulate, EDGE_MR);
 }
 
 /* A tile from MR rows of a row-major a in place (row stride lda). */
 static void micro_kernel_rows(long k, const float *a, long lda, const float *bp, float *c, long ldc, int accumulate) {
-  tile(k, a, lda, 1, bp, c, ldc, accumulate);
+  tile(k, a, lda, 1, bp, c, ldc, accumulate, MR);
 }
 
 /* r[0..7] <- its transpose (8 x 8). */
@@ -222,6 +229,8 @@ static void panel_tiles(long mc, long nr, long kc, struct a_block a, const float
         micro_kernel_rows(kc, a.rows + i * a.lda, a.lda, panel, ci, ldc, accumulate);
       else
         micro_kernel(kc, ap, panel, ci, ldc, accumulate);
+    } else if (mr == EDGE_MR && nr == NR) {
+      micro_kernel_edge(kc, ap, panel, ci, ldc, accumulate);
     } else {
       /* An edge tile: the whole tile into a buffer (the packing padded it with
          zeros), then the part that exists. */
