@@ -14,10 +14,10 @@ AVX-512 cores (~110 of a Zen 5 core's ~250 GFLOP/s, where XLA reached 249: issue
 On an Intel Xeon (Sapphire Rapids) MKL runs at 0.83-0.97 of the peak but packs the
 whole of a large B for a few rows: [128, 2048] @ [2048, 2048] 0.74 of the peak.  With
 one block of rows this GEMM packs B a panel at a time, just before its use, the next
-panel prefetched meanwhile (``block_streaming_b``): ~0.8 there; a last tile of 2/3 MR
-rows (M = 128) has a kernel of its own; and a narrow product
-(N <= 256) reads a row-major A in place rather than packing it for a few B panels.  Each build is one
-more kernel for ``cpu_matmul="auto"`` to measure (matmul_kernels.py, NOTE [CPU matmul
+panel prefetched meanwhile (``block_streaming_b``): ~0.8 there.  A last tile of 2/3 MR
+rows (M = 128) has a kernel of its own, and a narrow product (N <= 256) reads a
+row-major A in place rather than packing it for a few B panels.  Each build is one more
+kernel for ``cpu_matmul="auto"`` to measure (matmul_kernels.py, NOTE [CPU matmul
 kernels]), never assumed faster.
 
 NOTE [huge pages for large outputs]
