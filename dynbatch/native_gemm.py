@@ -9,8 +9,8 @@ kernels for this core (the ``blis`` wheel's generic kernels: 15-22 GFLOP/s).  So
 dynbatch carries one GEMM of its own, ``csrc/sgemm.c``: BLIS's packing and blocking
 around an MR x NR micro-kernel, built twice: for AVX2 (6 x 16; alone 0.95 of that
 core's peak, whole products 0.78-0.94 by their best runs, docs/results/gemm_cpu.md)
-and for AVX-512 (12 x 32) where the CPU has it.  MKL takes its AVX2 code on AMD's
-AVX-512 cores (~110 of a Zen 5 core's ~250 GFLOP/s, where XLA reached 249: issue 36).
+and for AVX-512 (12 x 32) where the CPU has it: on an AMD EPYC core with AVX-512, MKL
+reached ~110 of the core's ~256 GFLOP/s and XLA 249 (issue 36).
 On an Intel Xeon (Sapphire Rapids) MKL runs at 0.83-0.97 of the peak but packs the
 whole of a large B for a few rows: [128, 2048] @ [2048, 2048] 0.74 of the peak.  With
 one block of rows this GEMM packs B a panel at a time, just before its use, the next
