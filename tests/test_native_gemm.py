@@ -19,7 +19,7 @@ BLOCKING = {"avx2": dict(MR=6, NR=16, KC=512, NC=1024, MC=72),
 @pytest.fixture(params=list(native_gemm.ISAS))
 def isa(request):
     if native_gemm.library(request.param) is None:
-        pytest.skip(f"no {request.param} on this CPU, not x86-64 Linux, or no C compiler")
+        pytest.skip(reason=f"no {request.param} on this CPU, not x86-64 Linux, or no C compiler")
     return request.param
 
 
