@@ -24,7 +24,7 @@ fastest depends on the shape, and the shapes of backward graphs are extreme:
   own AVX2 GEMM on most tall ones (77-91 GFLOP/s from M = 1024, one core);
 - on an Intel Xeon (AVX-512) MKL runs at 0.83-0.97 of the peak but packs a large B
   for few rows at a memory pass's cost: [128, 2048] @ [2048, 2048] 0.74, where
-  dynbatch's AVX-512 build, which packs B a panel at a time, runs at ~0.85.
+  dynbatch's AVX-512 build, which packs B a panel at a time, runs at ~0.8.
 
 So a product has up to six kernels (``KERNELS``): ATen's as given, ATen's on
 the transposed problem (``flipped``, its result copied back to row-major),
