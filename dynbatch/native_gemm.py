@@ -35,6 +35,23 @@ One core, one run each: on the AMD EPYC (Zen 3) dynbatch's AVX2 kernel 47.8 ->
 takes one from here (ATen's ``mm(out=)``, numpy's BLAS, this GEMM), and a product
 into Inductor's buffer (``matmul_kernels.mm_out``) has that buffer advised first.
 
+NOTE [Streamed stores]
+A product with a small K writes an output far larger than L2 once: [4096, 128] @ [128,
+2048] writes 32 MiB while its packed B (1 MiB) waits in L2 to be reused, and the plain
+stores read each output line in before writing it and push B out.  Where C is written
+in one block of K, is at least STREAM_MIN_BYTES (8 MiB, four times the Xeon's L2),
+aligned for them, and its first and last pages are already in memory (``mincore``),
+each tile is written with non-temporal stores (``_mm512_stream_ps``), which go around
+the caches.  On the Xeon, one core, an interleaved A/B of the two builds into a buffer
+in memory: [4096, 128] @ [128, 2048] 127-130 -> 153-155 GFLOP/s (MKL 134), [4096,
+128] @ [128, 512] 131-135 -> 149-154, and 107 -> 124 with a sum of the output after
+it (the next kernel reads C from memory, not L3, and it still wins).  Fresh pages are
+left to plain stores: the kernel zeroes a page as the first write faults it in, and a
+streamed store to that just-zeroed line cost more than it saved (113 -> 107); so a new
+32 MiB output still costs its faults (~4 ms of a ~17 ms product), which only an
+allocator that keeps large buffers (glibc's ``MALLOC_MMAP_THRESHOLD_``, jemalloc)
+avoids.
+
 It is plain C with no torch headers, so it builds in a second: with the C compiler
 Inductor would use (``$CC``, else ``gcc``/``cc``), ``-O3 -fopenmp`` and the build's
 instruction-set flags (``ISAS``), into Inductor's cache directory, named by a hash of

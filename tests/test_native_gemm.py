@@ -64,6 +64,30 @@ def test_equals_the_product_in_every_layout(isa, shape, layouts):
     _check(_layout(a, layouts[0]), _layout(b, layouts[1]), isa)
 
 
+# An output at least this large, written in one block of K into pages already in memory,
+# is written with streamed stores (csrc/sgemm.c, STREAM_MIN_BYTES).
+STREAM_MIN_BYTES = 8 << 20
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("resident", [True, False], ids=["out-in-memory", "new-out"])
+def test_a_large_output_written_around_the_caches(isa, threads, resident):
+    """Every element written (the buffer starts as NaN), edge tiles and rows included,
+    into a buffer in memory (streamed stores) or a new one (streamed where its pages are in memory)."""
+    m, k, n = 2048 + 5, 40, 1024 + 16  # n % 16 == 0 (aligned rows), n % NR != 0 (an edge panel)
+    assert m * n * 4 >= STREAM_MIN_BYTES
+    gen = torch.Generator().manual_seed(threads)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    out = torch.full((m, n), float("nan")) if resident else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = native_gemm.matmul(a, b, out, isa=isa)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(result, (a.double() @ b.double()).float(), rtol=1e-5, atol=1e-4)
+
+
 def test_empty_operands(isa):
     assert native_gemm.matmul(torch.randn(0, 5), torch.randn(5, 3), isa=isa).shape == (0, 3)
     assert native_gemm.matmul(torch.randn(4, 5), torch.randn(5, 0), isa=isa).shape == (4, 0)

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -34,6 +36,7 @@ typedef __m512 vec;
 #define vload _mm512_load_ps
 #define vloadu _mm512_loadu_ps
 #define vstoreu _mm512_storeu_ps
+#define vstream _mm512_stream_ps
 #define vset1 _mm512_set1_ps
 #define vzero _mm512_setzero_ps
 #define vfmadd _mm512_fmadd_ps
@@ -51,6 +54,7 @@ typedef __m256 vec;
 #define vload _mm256_load_ps
 #define vloadu _mm256_loadu_ps
 #define vstoreu _mm256_storeu_ps
+#define vstream _mm256_stream_ps
 #define vset1 _mm256_set1_ps
 #define vzero _mm256_setzero_ps
 #define vfmadd _mm256_fmadd_ps
@@ -58,7 +62,13 @@ typedef __m256 vec;
 #endif
 #define NV (NR / VLEN) /* vectors in a row of the tile */
 #define EDGE_MR (MR * 2 / 3) /* the rows of a last tile that has its own kernel (M = 128: 10 x 12 + 8) */
+#ifndef STREAM_MIN_BYTES
+#define STREAM_MIN_BYTES (8 << 20)
+#endif
 #define A_IN_PLACE_MAX_N 256 /* a row-major A is read in place for products this narrow */
+
+/* How a tile's result reaches c: written, added to c, or written around the caches. */
+enum { OVERWRITE = 0, ACCUMULATE = 1, STREAM = 2 };
 
 /* c[rows x NR] (+)= a[rows x k] @ bp[k x NR] (packed); c row stride ldc; a's element (r, p)
    at a[r * ars + p * aps].  The loops over the tile have constant bounds: unrolled, the
@@ -87,7 +97,10 @@ static inline __attribute__((always_inline)) void tile(long k, const float *a, l
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float *dst = c + r * ldc + v * VLEN;
-      vstoreu(dst, accumulate ? vadd(acc[r][v], vloadu(dst)) : acc[r][v]);
+      if (accumulate == STREAM)
+        vstream(dst, acc[r][v]);
+      else
+        vstoreu(dst, accumulate == ACCUMULATE ? vadd(acc[r][v], vloadu(dst)) : acc[r][v]);
     }
 }
 
@@ -239,7 +252,7 @@ static void panel_tiles(long mc, long nr, long kc, struct a_block a, const float
       else
         micro_kernel(kc, ap, panel, edge, NR, 0);
       for (long q = 0; q < mr; ++q)
-        for (long s = 0; s < nr; ++s) ci[q * ldc + s] = (accumulate ? ci[q * ldc + s] : 0.f) + edge[q * NR + s];
+        for (long s = 0; s < nr; ++s) ci[q * ldc + s] = (accumulate == ACCUMULATE ? ci[q * ldc + s] : 0.f) + edge[q * NR + s];
     }
   }
 }
@@ -263,6 +276,21 @@ static void block_streaming_b(long mc, long nc, long kc, const float *ap, const 
     pack_b(kc, nr, b + j, sbk, 1, bp);
     panel_tiles(mc, nr, kc, a, bp, c + j, ldc, accumulate, j + NR < nc ? b + j + NR : NULL, sbk);
   }
+}
+
+/* Whether the page holding byte p is in memory (mincore's answer; unknown reads as no). */
+static int resident(const void *p) {
+  long page = sysconf(_SC_PAGESIZE);
+  unsigned char in_core = 0;
+  return page > 0 && mincore((void *)((uintptr_t)p & ~(uintptr_t)(page - 1)), 1, &in_core) == 0 && (in_core & 1);
+}
+
+/* Whether c is written around the caches (NOTE [Streamed stores] in native_gemm.py): a large
+ * output written once (one block of k), aligned for the stores, its pages already in memory. */
+static int streams(long m, long n, long k, const float *c, long ldc) {
+  size_t bytes = (size_t)m * ldc * sizeof(float);
+  return k <= KC && (uintptr_t)c % 64 == 0 && ldc % 16 == 0 && bytes >= STREAM_MIN_BYTES && resident(c) &&
+         resident((const char *)c + bytes - 1);
 }
 
 /* c[m x n] (row stride ldc) = a[m x k] (strides sam, sak) @ b[k x n] (strides sbk, sbn),
@@ -290,13 +318,15 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
      place instead (AVX-512 on the Xeon: [4096, 512] @ [512, 128] 140 -> 155 GFLOP/s,
      [1024, 512] @ [512, 128] 141 -> 159; N = 512 a tie; from N = 1024 packing wins). */
   int in_place = sak == 1 && n <= A_IN_PLACE_MAX_N;
+  int first = streams(m, n, k, c, ldc) ? STREAM : OVERWRITE;
   for (long jc = 0; jc < n; jc += NC) {
     long nc = n - jc < NC ? n - jc : NC;
     for (long pc = 0; pc < k; pc += KC) {
       long kc = k - pc < KC ? k - pc : KC;
       if (blocks == 1 && sbn == 1) {
         pack_a(m, kc, a + pc * sak, sam, sak, aps);
-        block_streaming_b(m, nc, kc, aps, b + pc * sbk + jc, sbk, bp, c + jc, ldc, pc > 0);
+        block_streaming_b(m, nc, kc, aps, b + pc * sbk + jc, sbk, bp, c + jc, ldc, pc > 0 ? ACCUMULATE : first);
+        _mm_sfence();
         continue;
       }
       pack_b(kc, nc, b + pc * sbk + jc * sbn, sbk, sbn, bp);
@@ -318,7 +348,8 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
         } else {
           pack_a(mc, kc, rows, sam, sak, ap);
         }
-        block(mc, nc, kc, block_a, bp, c + ic * ldc + jc, ldc, pc > 0);
+        block(mc, nc, kc, block_a, bp, c + ic * ldc + jc, ldc, pc > 0 ? ACCUMULATE : first);
+        _mm_sfence(); /* this thread's streamed stores, visible before the threads join */
       }
     }
   }
