@@ -496,6 +496,7 @@ def test_gemm_times_every_kernel(capsys, tmp_path):
     rows = _table(printed)
     written = out.read_text()  # the printed table, under the command that made it
     assert "python -m dynbatch.bench gemm --quick --m 8,64 --kn 16" in written and printed.strip() in written
+    assert "\nallocator: " in written
     assert [(r["M"], r["K"], r["N"]) for r in rows] == [("8", "16", "16"), ("64", "16", "16")]
     kernels = [k for k in matmul_kernels.KERNELS if matmul_kernels.available(k)]
     for row in rows:
@@ -508,6 +509,17 @@ def test_gemm_times_every_kernel(capsys, tmp_path):
             assert fastest.strip("()") in kernels, row
             # tiny quick shapes: both times are mostly the call, not the FLOPs
             assert 0 < float(fraction) < 3 and 0 < float(row["its fastest run / peak"]) < 3, row
+
+
+def test_gemm_names_the_allocator_settings(monkeypatch):
+    """Whether a large output is fresh pages at every call depends on them: every table says."""
+    from dynbatch.bench import gemm
+
+    for name in gemm.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert gemm.allocator().startswith("glibc's defaults")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1000000000")
+    assert gemm.allocator() == "set by the environment: MALLOC_MMAP_THRESHOLD_=1000000000"
 
 
 def test_gemm_takes_k_and_n_apart_and_row_major_operands(capsys):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import statistics
 import sys
 from typing import Any, Callable
@@ -77,6 +78,19 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+# What decides whether a large output is fresh pages at each call (NOTE [huge pages for
+# large outputs], NOTE [Streamed stores] in native_gemm.py): named in every table.
+ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def allocator() -> str:
+    """The process's allocator settings from the environment, as the table names them."""
+    set_ = [f"{name}={os.environ[name]}" for name in ALLOCATOR_ENV if os.environ.get(name)]
+    if not set_:
+        return "glibc's defaults (an output above its mmap threshold is fresh pages at every call)"
+    return "set by the environment: " + ", ".join(set_)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cli.use_threads(args)
@@ -94,6 +108,7 @@ def main(argv=None) -> int:
     ratio = "aten" in kernels and "onednn" in kernels
     emit(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GFLOP/s, medians; "
           f"CPU: {peak.cpu_model()}")
+    emit(f"allocator: {allocator()}")
     core = peak.core_peak_gflops()
     emit(f"core peak (float32 FMA loop, {peak.isa() or 'no AVX2'}): "
           + (f"{core:.3g} GFLOP/s a core" if core else "not measured (no C compiler or no AVX2)"))
