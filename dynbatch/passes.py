@@ -198,7 +198,8 @@ def route_matmuls(graph: torch.fx.Graph, kernel: str = "auto") -> int:
 
 class PostGradPasses(_compat.custom_graph_pass_base()):
     """dynbatch's aten passes as an Inductor ``post_grad_custom_pre_pass``: sink_expands,
-    recompute.recompute_fanouts, clone_overlapping_scatter_targets, route_matmuls (uuid
+    recompute.recompute_fanouts, recompute.store_broadcast_factors,
+    clone_overlapping_scatter_targets, route_matmuls (uuid
     keys the FX cache).  With a pass of the user's, only the clones run, then the user's pass."""
 
     def __init__(self, cpu_matmul: str = "auto", users_pass: Callable | None = None,
@@ -221,6 +222,7 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         # the clones after sink_expands, which would move a clone (pointwise) past its expand.
         self.counts = {"sink_expands": sink_expands(graph),
                        "recompute_fanouts": recompute.inline_copies(graph, self.recompute_mode),
+                       "store_broadcast_factors": recompute.store_broadcast_factors(graph, self.recompute_mode),
                        "clone_overlapping_scatter_targets": clone_overlapping_scatter_targets(graph),
                        "route_matmuls": route_matmuls(graph, self.cpu_matmul)}
 
@@ -234,4 +236,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         if self.users_pass is not None:
             users = getattr(self.users_pass, "uuid", None)
             return None if users is None else (ours, users())  # None: Inductor does not cache
-        return f"{ours}+sink-expands-v3+recompute-v1-{self.recompute_mode}+matmuls-v6-{self.cpu_matmul}"
+        return f"{ours}+sink-expands-v3+recompute-v1+store-factors-v1-{self.recompute_mode}+matmuls-v6-{self.cpu_matmul}"

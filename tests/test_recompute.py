@@ -179,3 +179,78 @@ def test_lennard_jones_hessian_rows_never_store_the_pair_tensor(inline_limits):
     if "never" in codes:
         assert pair_buffers(codes["never"])
     assert pair_buffers(codes["always"]) == []
+
+
+# --- store broadcast factors (NOTE [Store broadcast factors]) ---------------------
+
+def pair_coefficients(pos, V):
+    """A pair potential's batched terms: [N, N] coefficients (a costly chain of r^2, times
+    a mask) read by a [B, N, N, 3] loop."""
+    n = pos.shape[0]
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+    r2 = (diff * diff).sum(-1) + torch.eye(n)
+    coefficient = torch.exp(-r2) * r2.rsqrt() + r2.pow(-3)  # B-free, transcendental
+    mask = (r2 < 2.0).to(pos.dtype)
+    dv = V.unsqueeze(2) - V.unsqueeze(1)
+    pair = dv * (coefficient * mask).unsqueeze(-1)
+    return pair.sum(1) - pair.sum(2)
+
+
+def _stores(gm):
+    return _users(gm, torch.ops.prims.inductor_force_stride_order.default)
+
+
+def test_a_costly_factor_read_broadcast_is_stored_once_and_values_stay():
+    pos, V = _inputs()
+    gm = _traced(pair_coefficients, pos, V)  # symbolic sizes: the stride read from the node
+    before = graph_text(gm, "before")
+    count = recompute.store_broadcast_factors(gm.graph, "auto", "cpu")
+    gm.recompile()
+    stores = _stores(gm)
+    assert count == len(stores) >= 1
+    for store in stores:
+        factor = store.args[0]
+        assert factor.meta["val"].dim() == 2  # an [N, N] factor, not a batched tensor
+        # every reader of the factor reads the stored one (its strides read the factor's)
+        assert all(u is store or u.target is aten.sym_stride.int for u in factor.users)
+    assert any(u.target is aten.sym_stride.int for u in gm.graph.nodes)
+    torch.testing.assert_close(gm(pos, V), pair_coefficients(pos, V))
+    assert_snapshot("store_broadcast_factors", before + graph_text(gm, "after"))
+
+
+def test_a_factor_read_a_few_times_over_a_cheap_one_or_off_the_cpu_is_left_to_inductor():
+    pos = torch.randn(6, 3)
+    few = _traced(pair_coefficients, pos, torch.randn(2, 6, 3), mode="fake")  # B = 2: 6 elements a factor's
+    assert recompute.store_broadcast_factors(few.graph, "auto", "cpu") == 0
+
+    def cheap(x, V):  # a factor of one op past the stored input
+        return (V * (x * 2.0)).sum(0)
+
+    gm = _traced(cheap, torch.randn(6, 6), torch.randn(32, 6, 6), mode="fake")
+    assert recompute.store_broadcast_factors(gm.graph, "always", "cpu") == 0
+    for mode, device, stored in (("auto", "cuda", False), ("never", "cpu", False), ("always", "cuda", True)):
+        gm = _traced(pair_coefficients, *_inputs(), mode="fake")
+        assert (recompute.store_broadcast_factors(gm.graph, mode, device) > 0) == stored, (mode, device)
+
+
+def factor_buffers(code: str, n=6) -> list[str]:
+    """Buffers the generated code allocates with a pair factor's [N, N] shape."""
+    return re.findall(rf"empty_strided_cpu\(\({n}, {n}\), \({n}, 1\), torch.float32\)", code)
+
+
+def test_lennard_jones_hessian_rows_store_their_pair_coefficients():
+    """Inside dynbatch and Inductor: the B-free coefficients of the Lennard-Jones Hessian
+    rows are buffers of their own under "auto" (none past r^2 under "never"); the same grads."""
+    rows, pos, V = lj_hessian_rows()
+    expected = rows(pos, V)
+    codes = {}
+    with inductor_config.patch({"fx_graph_cache": False}):
+        for mode in ("never", "auto"):
+            torch._dynamo.reset()
+            dynbatch.reset()
+            compiled = compile_dynbatch(rows, options={**INDUCTOR, "dynbatch.recompute": mode})
+            result, code = run_and_get_code(compiled, pos, V)
+            assert_backend_ran(graphs=1, batched=1)
+            assert_same_grads(result, expected, msg=mode)
+            codes[mode] = "\n".join(code)
+    assert len(factor_buffers(codes["auto"])) > len(factor_buffers(codes["never"]))
