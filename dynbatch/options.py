@@ -45,8 +45,10 @@ class Options:
     # that graph eagerly from then on, with the reason logged (verify.py).
     verify: bool = False
     # Store a large pointwise tensor read by several kernels, or recompute it in each
-    # (recompute.py, NOTE [Store or recompute]): "auto" (a cost model per device),
-    # "always" (wherever Inductor would inline the copies), "never".
+    # (recompute.py, NOTE [Store or recompute]), and store a B-free factor a batched loop
+    # would recompute per sample (NOTE [Store broadcast factors]): "auto" (a cost model
+    # per device), "always" (wherever Inductor would inline the copies; factors on any
+    # device), "never".
     recompute: str = "auto"
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)

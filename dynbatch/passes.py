@@ -236,4 +236,4 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         if self.users_pass is not None:
             users = getattr(self.users_pass, "uuid", None)
             return None if users is None else (ours, users())  # None: Inductor does not cache
-        return f"{ours}+sink-expands-v3+recompute-v1+store-factors-v1-{self.recompute_mode}+matmuls-v6-{self.cpu_matmul}"
+        return f"{ours}+sink-expands-v3+recompute-v1+store-factors-v2-{self.recompute_mode}+matmuls-v6-{self.cpu_matmul}"

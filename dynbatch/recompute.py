@@ -311,7 +311,7 @@ def inline_copies(graph: torch.fx.Graph, mode: str = "auto") -> int:
 # cache off, an ad hoc script): N = 100, B = 32 3.37 -> 2.09 ms; N = 50, B = 150 3.94 ->
 # 2.44 ms, the same values.  On CUDA a recomputed chain costs little against the memory
 # it reads, and nothing is measured there yet: "auto" stores on the CPU only.
-BROADCAST_RATIO = 8
+BROADCAST_RATIO = 16
 MIN_STORED_FLOPS = 4
 STORED_DEVICES = ("cpu",)
 
