@@ -307,10 +307,12 @@ def inline_copies(graph: torch.fx.Graph, mode: str = "auto") -> int:
 # inlined chain costs at least MIN_STORED_FLOPS per element, is stored: Inductor is made
 # to realise it (``prims.inductor_force_stride_order`` at its own strides), and the
 # consumers load it from a buffer B times smaller than their loop, which stays in cache.
-# One core of the Xeon, the Lennard-Jones Hessian rows inside dynbatch (Inductor's FX
-# cache off, an ad hoc script): N = 100, B = 32 3.37 -> 2.09 ms; N = 50, B = 150 3.94 ->
-# 2.44 ms, the same values.  On CUDA a recomputed chain costs little against the memory
-# it reads, and nothing is measured there yet: "auto" stores on the CPU only.
+# One core of the Xeon, `bench ab dynbatch.recompute=never,auto --threads 1`: lj_forces
+# x0.74, x0.52, full_hessian/lj x0.64-0.92, hessian rows x0.84 and HVPs x0.85-0.86,
+# pinn/jacobian x0.94, force training x0.95-0.99; nothing stored elsewhere.  A factor read
+# only 8 times over (an HVP of K = 8) cost its store: x1.04, hence 16.  On CUDA a
+# recomputed chain costs little against the memory it reads, and nothing is measured
+# there yet: "auto" stores on the CPU only.
 BROADCAST_RATIO = 16
 MIN_STORED_FLOPS = 4
 STORED_DEVICES = ("cpu",)

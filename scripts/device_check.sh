@@ -23,7 +23,8 @@
 #       "--workloads hessian,sweep --variants compiled_func,dynbatch,dynbatch_outside", or
 #       "--workloads force_training" for a training step's programs and the rest).
 #   PHASES="ab": `python -m dynbatch.bench ab` on CUDA, AB_SETTING (default
-#       dynbatch.recompute=never,auto: store or recompute, docs/design.md) over
+#       dynbatch.recompute=never,auto,always: store or recompute, and "always" stores
+#       the B-free factors "auto" stores on the CPU only, docs/design.md) over
 #       AB_WORKLOADS (default full_hessian,lj_forces,hessian), AB_TIMEOUT (default 420) s.
 #   PHASES="profile": `python -m dynbatch.bench overhead --top 8` on CUDA, each column's
 #       costliest kernels beside its stack and program times (PROFILE_ARGS, default the
@@ -74,8 +75,8 @@ for phase in ${PHASES:-bench}; do
     fi
     ;;
   ab)
-    section "ab ${AB_SETTING:-dynbatch.recompute=never,auto}"
-    timeout "${AB_TIMEOUT:-420}" python3 -m dynbatch.bench ab "${AB_SETTING:-dynbatch.recompute=never,auto}" \
+    section "ab ${AB_SETTING:-dynbatch.recompute=never,auto,always}"
+    timeout "${AB_TIMEOUT:-420}" python3 -m dynbatch.bench ab "${AB_SETTING:-dynbatch.recompute=never,auto,always}" \
       --device "$DEVICE" --min-time 0.1 --workloads "${AB_WORKLOADS:-full_hessian,lj_forces,hessian}" >> "$LOG" 2>&1
     echo "ab exit $?" >> "$LOG"
     tail -40 "$LOG"
