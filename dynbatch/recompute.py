@@ -337,10 +337,10 @@ def _loop_elements(consumer: torch.fx.Node) -> int:
     return max(_numel_hint(n) or 0 for n in (consumer, *consumer.all_input_nodes))
 
 
-def _chain_flops(node: torch.fx.Node) -> int:
+def _chain_flops(node: torch.fx.Node, most: int = 64) -> int:
     """Per element, the flops of what Inductor inlines into a consumer of ``node``: the
-    node and its pointwise ancestors back to what is stored."""
-    body, _ = _walk(node, lambda n: True)
+    node and its pointwise ancestors back to what is stored (the first ``most`` of them)."""
+    body, _ = _walk(node, lambda n: True, most=most)
     return sum(TRANSCENDENTAL_FLOPS if n.target in TRANSCENDENTAL else 1 for n in body if n.target not in VIEWS)
 
 
@@ -358,7 +358,8 @@ def store_broadcast_factors(graph: torch.fx.Graph, mode: str = "auto", device: s
         size = _numel_hint(node)
         if not size or not any(_loop_elements(c) >= BROADCAST_RATIO * size for c in _fused_consumers(node)):
             continue
-        if _chain_flops(node) < MIN_STORED_FLOPS:
+        flops = _chain_flops(node)
+        if flops < MIN_STORED_FLOPS:
             continue
         val = node.meta["val"]
         users = list(node.users)
@@ -369,8 +370,7 @@ def store_broadcast_factors(graph: torch.fx.Graph, mode: str = "auto", device: s
         for user in users:
             user.replace_input_with(node, store)
         stored += 1
-        log.debug("dynbatch: %s %s stored: read broadcast, %d flops per element", node.name,
-                  list(val.shape), _chain_flops(node))
+        log.debug("dynbatch: %s %s stored: read broadcast, %d flops per element", node.name, list(val.shape), flops)
     return stored
 
 
