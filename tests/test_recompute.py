@@ -151,6 +151,21 @@ def lj_hessian_rows(device="cpu", n=6):
     return rows, pos, workloads._hessian_basis(n, device)
 
 
+def code_by_mode(fn, args, expected, modes) -> dict[str, str]:
+    """Inductor's code for ``fn`` compiled by dynbatch under each ``dynbatch.recompute`` mode,
+    each run once: the backend ran, one batched graph, eager's grads."""
+    codes = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        dynbatch.reset()
+        compiled = compile_dynbatch(fn, options={**INDUCTOR, "dynbatch.recompute": mode})
+        result, code = run_and_get_code(compiled, *args)
+        assert_backend_ran(graphs=1, batched=1)
+        assert_same_grads(result, expected, msg=mode)
+        codes[mode] = "\n".join(code)
+    return codes
+
+
 def pair_buffers(code: str, n=6) -> list[str]:
     """Buffers the generated code allocates with the [B, N, N, 3] shape (B = 3N)."""
     return re.findall(rf"empty_strided_c(?:pu|uda)\(\({3 * n}, {n}, {n}, 3\)", code)
@@ -165,16 +180,8 @@ def test_lennard_jones_hessian_rows_never_store_the_pair_tensor(inline_limits):
     expected = rows(pos, V)
     limits = {"cpu": {}, "gpu": {"realize_opcount_threshold": 30, "realize_acc_reads_threshold": 8}}[inline_limits]
     modes = ("never", "always") if inline_limits == "cpu" else ("always",)
-    codes = {}
     with inductor_config.patch({"fx_graph_cache": False, **limits}):
-        for mode in modes:
-            torch._dynamo.reset()
-            dynbatch.reset()
-            compiled = compile_dynbatch(rows, options={**INDUCTOR, "dynbatch.recompute": mode})
-            result, code = run_and_get_code(compiled, pos, V)
-            assert_backend_ran(graphs=1, batched=1)
-            assert_same_grads(result, expected, msg=mode)
-            codes[mode] = "\n".join(code)
+        codes = code_by_mode(rows, (pos, V), expected, modes)
         assert {k: getattr(inductor_config, k) for k in limits} == limits  # the raise ended with the compile
     if "never" in codes:
         assert pair_buffers(codes["never"])
@@ -242,15 +249,6 @@ def test_lennard_jones_hessian_rows_store_their_pair_coefficients():
     """Inside dynbatch and Inductor: the B-free coefficients of the Lennard-Jones Hessian
     rows are buffers of their own under "auto" (none past r^2 under "never"); the same grads."""
     rows, pos, V = lj_hessian_rows()
-    expected = rows(pos, V)
-    codes = {}
     with inductor_config.patch({"fx_graph_cache": False}):
-        for mode in ("never", "auto"):
-            torch._dynamo.reset()
-            dynbatch.reset()
-            compiled = compile_dynbatch(rows, options={**INDUCTOR, "dynbatch.recompute": mode})
-            result, code = run_and_get_code(compiled, pos, V)
-            assert_backend_ran(graphs=1, batched=1)
-            assert_same_grads(result, expected, msg=mode)
-            codes[mode] = "\n".join(code)
+        codes = code_by_mode(rows, (pos, V), rows(pos, V), ("never", "auto"))
     assert len(factor_buffers(codes["auto"])) > len(factor_buffers(codes["never"]))
