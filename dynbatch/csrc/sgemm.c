@@ -287,7 +287,7 @@ static int resident(const void *p) {
 
 /* Whether c is written around the caches (NOTE [Streamed stores] in native_gemm.py): a large
  * output written once (one block of k), aligned for the stores, its pages already in memory. */
-static int streams(long m, long n, long k, const float *c, long ldc) {
+static int streams(long m, long k, const float *c, long ldc) {
   size_t bytes = (size_t)m * ldc * sizeof(float);
   return k <= KC && (uintptr_t)c % 64 == 0 && ldc % 16 == 0 && bytes >= STREAM_MIN_BYTES && resident(c) &&
          resident((const char *)c + bytes - 1);
@@ -318,7 +318,7 @@ int dynbatch_sgemm(long m, long n, long k, const float *a, long sam, long sak,
      place instead (AVX-512 on the Xeon: [4096, 512] @ [512, 128] 140 -> 155 GFLOP/s,
      [1024, 512] @ [512, 128] 141 -> 159; N = 512 a tie; from N = 1024 packing wins). */
   int in_place = sak == 1 && n <= A_IN_PLACE_MAX_N;
-  int first = streams(m, n, k, c, ldc) ? STREAM : OVERWRITE;
+  int first = streams(m, k, c, ldc) ? STREAM : OVERWRITE;
   for (long jc = 0; jc < n; jc += NC) {
     long nc = n - jc < NC ? n - jc : NC;
     for (long pc = 0; pc < k; pc += KC) {
