@@ -505,6 +505,31 @@ def raise_inductor_inline_limits(device: str, ops: int, reads: int) -> None:
     c.realize_acc_reads_threshold = max(current_reads, reads)
 
 
+def inductor_empty_strided_cpu() -> Callable[[Any, Any, torch.dtype], torch.Tensor]:
+    """The function Inductor's generated code allocates a CPU buffer with: ``(size, stride, dtype)``."""
+    return torch._C._dynamo.guards._empty_strided_cpu
+
+
+def inductor_wrapper_globals(compiled: Any) -> dict | None:
+    """The module namespace of a compiled program's generated Python wrapper (where its
+    ``empty_strided_cpu`` is bound), or None (a C++ wrapper, an unknown output type)."""
+    call = getattr(compiled, "current_callable", None)
+    call = getattr(call, "__func__", call)
+    namespace = getattr(call, "__globals__", None)
+    return namespace if isinstance(namespace, dict) else None
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, for ``storage_use_count`` while ``t`` keeps it alive."""
+    return t.untyped_storage()._cdata
+
+
+def storage_use_count(address: int) -> int:
+    """How many holders (tensors, storage objects) share the storage at ``address``, as
+    cudagraph_trees reads it."""
+    return torch._C._storage_Use_Count(address)
+
+
 def inductor_patterns_registered(device: torch.device | None) -> None:
     """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
     compile, otherwise), with both vmaps set aside: it traces example functions."""

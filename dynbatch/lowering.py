@@ -19,7 +19,7 @@ import sympy
 import torch
 import torch.fx
 
-from . import _compat, fail_soft, fx_utils, matmul_kernels, memory, passes
+from . import _compat, cpu_buffers, fail_soft, fx_utils, matmul_kernels, memory, passes
 from .graph_text import count_nodes, graph_text
 from .options import Options
 from .records import CompileRecord
@@ -154,7 +154,13 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
                                inductor_scheduler_keeps_mutation_renames), \
                 fail_soft.soft("Inductor's strides without sympy's full simplify",
                                inductor_strides_without_full_simplify):
-            return inner(aten_gm, aten_inputs, **kwargs)
+            compiled = inner(aten_gm, aten_inputs, **kwargs)
+        if options.keep_cpu_buffers:
+            try:  # NOTE [Reused CPU buffers] in cpu_buffers.py
+                cpu_buffers.install(compiled)
+            except Exception as e:  # noqa: BLE001 - the generated code moved: it allocates as before
+                fail_soft.hook_failed("keeping a compiled program's large CPU buffers", e)
+        return compiled
 
     inductor_patterns_registered_outside_transforms(example_inputs)
     cpu_matmul = _cpu_matmul(options)

@@ -50,6 +50,9 @@ class Options:
     # per device), "always" (wherever Inductor would inline the copies; factors on any
     # device), "never".
     recompute: str = "auto"
+    # Keep the large CPU buffers of the compiled programs between calls, so a call does
+    # not fault fresh pages in (cpu_buffers.py, NOTE [Reused CPU buffers]).
+    keep_cpu_buffers: bool = True
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -74,7 +77,7 @@ class Options:
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
         _check_choice("cpu_matmul", ours.get("cpu_matmul", "auto"), CPU_MATMUL)
         _check_choice("recompute", ours.get("recompute", "auto"), RECOMPUTE)
-        for flag in ("record_graphs", "verify"):
+        for flag in ("record_graphs", "verify", "keep_cpu_buffers"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:

@@ -1,0 +1,130 @@
+"""Large CPU buffers kept between a compiled program's calls (lowering's runtime side).
+
+NOTE [Reused CPU buffers]
+A batched backward's intermediates are large ([B, N, N, 3] pair tensors, [B, N, N, 16]
+hidden features of a learned pair potential) and new at every call.  glibc maps an
+allocation over its mmap threshold afresh each time and gives the top of its heap back
+to the system once enough of it is free, so the kernels that first write such a buffer
+fault it in a 4 KiB page at a time, each page zeroed by the system: 19,000-62,000 faults a
+call of the learned pair potential's Hessian at N = 100-128.  A process-wide malloc
+setting (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``) is the user's to make, not
+a library's; so dynbatch keeps the large buffers of its own programs between calls, as
+CUDA's caching allocator keeps device memory.  Inductor's generated code for a dynbatch
+graph allocates through ``empty_strided`` below (``install``), which hands out a kept
+buffer that no tensor uses any more (its storage's use count is back to the kept tensor's
+own), the smallest that holds the request with at most half of it to spare (MIN_FILL), or
+allocates one and keeps it.  A buffer a caller still holds (an output, a view of one) is
+never handed out again until it is released.  One core of the Xeon, `bench ab
+dynbatch.keep_cpu_buffers=False,True`: `full_hessian/lj` N = 100 x0.72-0.82,
+`full_hessian/pair_mlp` N = 64-128 x0.76-0.83; where glibc's heap already served the
+buffers without faults x0.98-1.03.  Buffers under MIN_BYTES (4 MiB) stay torch's: from
+1 MiB, programs whose buffers the heap served paid the kept path (`attention` B = 64
+x1.06).  Memory: a buffer the program freed stays kept for the next call while
+everything kept stays within SLACK (2) times the most the kept buffers in use ever held
+at once, the largest unused going first beyond it (a call's peak rose 15-50 % where
+buffers are kept); all of it stays within MAX_KEPT_BYTES, beyond which a buffer is
+torch's own, used once.  ``release()`` frees what is kept, and
+``dynbatch.keep_cpu_buffers=False`` compiles programs that allocate as before.  The
+benchmark and the memory tests measure a call's peak after ``release()``, so it counts
+every buffer the call allocates.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from . import _compat
+
+# Buffers from this size on are kept (smaller ones glibc's heap serves without faults).
+MIN_BYTES = 4 << 20
+# What the kept buffers may hold in all, free or in use (a buffer beyond it is not kept).
+MAX_KEPT_BYTES = 2 << 30
+# A kept buffer serves a request of at least this share of its size (no large waste).
+MIN_FILL = 0.5
+# All that is kept stays within this many times the most the kept buffers in use ever held.
+SLACK = 2
+
+_lock = threading.RLock()  # a dispatch mode over the allocation must not deadlock it
+# Flat uint8 tensors, each with its storage's address and the storage's use count while
+# that tensor alone holds it (it counts the storage's Python object too, once made): a
+# higher count is a program's tensor, or a caller's, still using the buffer.
+_kept: list[tuple[torch.Tensor, int, int]] = []
+_kept_bytes = 0
+_peak_in_use = 0  # the most the kept buffers in use held at once, over the process
+
+
+def _storage_bytes(size: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
+    if any(s == 0 for s in size):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(size, stride))) * itemsize
+
+
+_torch_empty_strided = _compat.inductor_empty_strided_cpu()
+
+
+def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty_strided(size, stride, dtype=dtype)`` on the CPU, in a kept buffer where
+    it is large (NOTE [Reused CPU buffers])."""
+    # Every buffer of a program comes here: a small one must cost little more than torch's
+    # own call (the extent of the outermost dim, row- or column-major, says it is small).
+    if size and max(size[0] * stride[0], size[-1] * stride[-1]) * dtype.itemsize >= MIN_BYTES // 2:
+        nbytes = _storage_bytes(size, stride, dtype.itemsize)
+        if nbytes >= MIN_BYTES:
+            with _lock:  # the view made before another thread can see the buffer unused
+                buffer = _take(nbytes)
+                if buffer is not None:
+                    return buffer.view(dtype).as_strided(size, stride)
+    return _torch_empty_strided(size, stride, dtype)
+
+
+def _take(nbytes: int) -> torch.Tensor | None:
+    """The smallest kept buffer no tensor uses that holds ``nbytes`` without much waste;
+    else a new one, kept if the bound allows (None where it does not).  Under ``_lock``."""
+    global _kept_bytes, _peak_in_use
+    unused = [entry for entry in _kept if _compat.storage_use_count(entry[1]) == entry[2]]
+    fitting = [entry[0] for entry in unused if MIN_FILL * entry[0].numel() <= nbytes <= entry[0].numel()]
+    if fitting:
+        return min(fitting, key=torch.Tensor.numel)
+    in_use = _kept_bytes - sum(buffer.numel() for buffer, _, _ in unused)
+    _peak_in_use = max(_peak_in_use, in_use + nbytes)
+    # Unused buffers of other sizes stay for the next call while all that is kept stays
+    # within SLACK times the most the programs ever used at once; beyond it the largest
+    # go, so a call peaks near where Inductor's plan does.
+    for buffer, storage, count in sorted(unused, key=lambda entry: -entry[0].numel()):
+        if _kept_bytes + nbytes <= SLACK * _peak_in_use:
+            break
+        _kept[:] = [entry for entry in _kept if entry[0] is not buffer]
+        _kept_bytes -= buffer.numel()
+    if _kept_bytes + nbytes > MAX_KEPT_BYTES:
+        return None
+    buffer = torch.empty((nbytes + 63) // 64 * 64, dtype=torch.uint8)  # a whole number of any dtype
+    storage = _compat.storage_address(buffer)
+    _kept.append((buffer, storage, _compat.storage_use_count(storage)))
+    _kept_bytes += buffer.numel()
+    return buffer
+
+
+def kept_bytes() -> int:
+    """Bytes the kept buffers hold (in use or not)."""
+    return _kept_bytes
+
+
+def release() -> None:
+    """Stop keeping every buffer (those in use live on with their tensors)."""
+    global _kept_bytes, _peak_in_use
+    with _lock:
+        _kept.clear()
+        _kept_bytes = _peak_in_use = 0
+
+
+def install(compiled: Any) -> bool:
+    """Make a compiled Inductor program allocate its CPU buffers here; False where its
+    generated code is not reachable (then it allocates as before)."""
+    namespace = _compat.inductor_wrapper_globals(compiled)
+    if namespace is None or "empty_strided_cpu" not in namespace:
+        return False
+    namespace["empty_strided_cpu"] = empty_strided
+    return True

@@ -1,0 +1,147 @@
+"""Large CPU buffers kept between calls (dynbatch/cpu_buffers.py, NOTE [Reused CPU buffers]):
+handed out again only once no tensor uses them, and never changing a value."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import dynbatch
+from dynbatch import cpu_buffers
+from conftest import DEFAULTS, assert_backend_ran, assert_same_grads, compile_dynbatch, loop_grads
+
+UNIT = cpu_buffers.MIN_BYTES  # the smallest buffer kept
+LARGE = (2 * UNIT // 4096, 1024)  # float32: kept
+STRIDE = (1024, 1)
+
+
+@pytest.fixture(autouse=True)
+def nothing_kept():
+    cpu_buffers.release()
+    yield
+    cpu_buffers.release()
+
+
+def _large() -> torch.Tensor:
+    return cpu_buffers.empty_strided(LARGE, STRIDE, torch.float32)
+
+
+def test_a_small_buffer_is_torchs_own():
+    for size, stride in [((4, 8), (8, 1)), ((UNIT // 8192, 1024), (1024, 1)), ((), ())]:
+        t = cpu_buffers.empty_strided(size, stride, torch.float32)
+        assert (t.shape, t.stride(), t.dtype) == (size, stride, torch.float32)
+    assert cpu_buffers.kept_bytes() == 0
+
+
+def test_a_freed_buffer_serves_the_next_request_of_its_size():
+    first = _large()
+    assert (first.shape, first.stride(), first.dtype) == (LARGE, STRIDE, torch.float32)
+    address = first.data_ptr()
+    del first
+    assert _large().data_ptr() == address
+    assert cpu_buffers.kept_bytes() == 2 * UNIT
+
+
+def test_a_buffer_in_use_is_never_handed_out():
+    held = _large()
+    view = held.view(-1)[10:]  # a view alone keeps it in use
+    address = held.data_ptr()
+    del held
+    other = _large()
+    assert other.data_ptr() != address
+    other.fill_(1.0)
+    view.fill_(2.0)
+    assert torch.all(other == 1.0) and torch.all(view == 2.0)
+
+
+def test_strides_dtypes_and_a_shared_storage_size():
+    rows = UNIT // 8192
+    t = cpu_buffers.empty_strided((rows, 1024), (1, rows), torch.float64)  # column-major, one unit
+    assert (t.shape, t.stride(), t.dtype) == ((rows, 1024), (1, rows), torch.float64)
+    assert cpu_buffers.kept_bytes() == UNIT
+    t.copy_(torch.arange(t.numel(), dtype=torch.float64).view(1024, rows).t())
+    assert t[3, 5].item() == 5 * rows + 3
+
+
+def _units(n: float) -> torch.Tensor:
+    return cpu_buffers.empty_strided((int(n * UNIT) // 4096, 1024), STRIDE, torch.float32)
+
+
+@pytest.mark.parametrize("slack", [1, 2])
+def test_unused_buffers_of_other_sizes_stay_within_the_slack(monkeypatch, slack):
+    monkeypatch.setattr(cpu_buffers, "SLACK", slack)
+    two = _units(2)
+    del two
+    eight = _units(8)  # the 2-unit one does not fit: kept only while 2 + 8 <= slack * 8
+    assert cpu_buffers.kept_bytes() == (10 if slack == 2 else 8) * UNIT
+    del eight
+    three = _units(3)  # under half of the free 8-unit one: a buffer of its own
+    assert three.data_ptr() not in {b.data_ptr() for b, _, _ in cpu_buffers._kept if b.numel() == 8 * UNIT}
+    kept = cpu_buffers.kept_bytes()
+    assert _units(0.5).shape == (UNIT // 8192, 1024)  # small: torch's own, nothing kept for it
+    assert cpu_buffers.kept_bytes() == kept <= slack * 11 * UNIT
+
+
+def test_beyond_the_bound_buffers_are_not_kept(monkeypatch):
+    monkeypatch.setattr(cpu_buffers, "MAX_KEPT_BYTES", 3 * UNIT)
+    first = _large()
+    second = _large()  # the first is in use and the bound is reached: torch's own
+    assert cpu_buffers.kept_bytes() == 2 * UNIT
+    assert first.data_ptr() != second.data_ptr()
+
+
+def test_release_keeps_tensors_in_use_valid():
+    held = _large().fill_(3.0)
+    cpu_buffers.release()
+    assert cpu_buffers.kept_bytes() == 0
+    assert torch.all(held == 3.0)
+    assert _large().data_ptr() != held.data_ptr()
+
+
+def test_threads_never_share_a_buffer_in_use():
+    barrier = threading.Barrier(2)
+    clashes = []
+
+    def work(value: float):
+        for _ in range(50):
+            t = _large().fill_(value)
+            barrier.wait()  # both threads hold theirs here
+            if not torch.all(t == value):
+                clashes.append(value)
+            barrier.wait()
+            del t
+
+    threads = [threading.Thread(target=work, args=(v,)) for v in (1.0, 2.0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not clashes
+
+
+def _jacobian_rows(x, w, v):
+    x = x.detach().requires_grad_()
+    y = torch.tanh(x @ w) * torch.sigmoid(x @ w)
+    return torch.autograd.grad(y, x, v, is_grads_batched=True)[0]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_compiled_programs_large_buffers_are_kept_and_its_outputs_never_overwritten(keep):
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen) / 8
+    vs = [torch.randn(512, 64, 64, generator=gen) for _ in range(3)]  # 8 MiB grads
+    f = compile_dynbatch(_jacobian_rows, options={**DEFAULTS, "dynbatch.keep_cpu_buffers": keep})
+    outs = []
+    for v in vs:
+        outs.append(f(x, w, v))
+        kept = cpu_buffers.kept_bytes()
+        assert (kept > 0) == keep
+    assert cpu_buffers.kept_bytes() == kept  # steady: no new buffer after the first calls
+    for out, v in zip(outs, vs):  # each output held while the later calls ran
+        x_ = x.detach().requires_grad_()
+        y = torch.tanh(x_ @ w) * torch.sigmoid(x_ @ w)
+        assert_same_grads(out, loop_grads(y, x_, v), atol=1e-5, rtol=1e-4)
+    assert_backend_ran(graphs=dynbatch.counters().get("graphs", 0))
+    assert dynbatch.counters().get("grads_batched", 0) >= 1
