@@ -49,8 +49,10 @@ it (the next kernel reads C from memory, not L3, and it still wins).  Fresh page
 left to plain stores: the kernel zeroes a page as the first write faults it in, and a
 streamed store to that just-zeroed line cost more than it saved (113 -> 107); so a new
 32 MiB output still costs its faults (~4 ms of a ~17 ms product), which only an
-allocator that keeps large buffers (glibc's ``MALLOC_MMAP_THRESHOLD_``, jemalloc)
-avoids.
+allocator that keeps large buffers avoids: ``new_output`` takes one of dynbatch's kept
+buffers (NOTE [Reused CPU buffers] in cpu_buffers.py), so a product whose previous output
+was dropped writes into memory already mapped (``bench gemm``, glibc's defaults: 0.67 ->
+0.9 of the core's peak at [4096, 128] @ [128, 2048]).
 
 It is plain C with no torch headers, so it builds in a second: with the C compiler
 Inductor would use (``$CC``, else ``gcc``/``cc``), ``-O3 -fopenmp`` and the build's
@@ -78,7 +80,7 @@ from pathlib import Path
 
 import torch
 
-from . import _compat
+from . import _compat, cpu_buffers
 
 log = logging.getLogger("dynbatch")
 
@@ -112,9 +114,10 @@ HUGE_OUTPUT = 2 * HUGE_PAGE  # bytes: a buffer this large surely holds a whole a
 
 
 def new_output(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An empty row-major [rows, cols] matrix for a product to write, its whole huge pages
-    advised (NOTE [huge pages for large outputs])."""
-    return advise_huge_pages(torch.empty((rows, cols), dtype=dtype))
+    """An empty row-major [rows, cols] matrix for a product to write: a kept buffer where it
+    is large (NOTE [Reused CPU buffers] in cpu_buffers.py), its whole huge pages advised
+    (NOTE [huge pages for large outputs])."""
+    return advise_huge_pages(cpu_buffers.empty_strided((rows, cols), (cols, 1), dtype))
 
 
 def advise_huge_pages(out: torch.Tensor) -> torch.Tensor:
