@@ -22,8 +22,9 @@ buffers without faults x0.98-1.03.  Buffers under MIN_BYTES (4 MiB) stay torch's
 x1.06).  Memory: a buffer the program freed stays kept for the next call while
 everything kept stays within SLACK (2) times the most the kept buffers in use ever held
 at once, the largest unused going first beyond it (a call's peak rose 15-50 % where
-buffers are kept); all of it stays within MAX_KEPT_BYTES, beyond which a buffer is
-torch's own, used once.  ``release()`` frees what is kept, and
+buffers are kept); a buffer still in use FORGET_AFTER large allocations after it was
+handed out is the caller's (outputs kept in a list) and is no longer kept; all of it
+stays within MAX_KEPT_BYTES, beyond which a buffer is torch's own, used once.  ``release()`` frees what is kept, and
 ``dynbatch.keep_cpu_buffers=False`` compiles programs that allocate as before.  The
 benchmark and the memory tests measure a call's peak after ``release()``, so it counts
 every buffer the call allocates.
@@ -31,6 +32,7 @@ every buffer the call allocates.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Sequence
 
@@ -46,14 +48,32 @@ MAX_KEPT_BYTES = 2 << 30
 MIN_FILL = 0.5
 # All that is kept stays within this many times the most the kept buffers in use ever held.
 SLACK = 2
+# A buffer still in use this many large allocations after it was handed out is the
+# caller's (an output kept in a list): no longer kept, it goes back to malloc when freed.
+FORGET_AFTER = 256
 
 _lock = threading.RLock()  # a dispatch mode over the allocation must not deadlock it
-# Flat uint8 tensors, each with its storage's address and the storage's use count while
-# that tensor alone holds it (it counts the storage's Python object too, once made): a
-# higher count is a program's tensor, or a caller's, still using the buffer.
-_kept: list[tuple[torch.Tensor, int, int]] = []
+
+@dataclasses.dataclass(eq=False)  # compared by identity: its buffer is a tensor
+class _Kept:
+    buffer: torch.Tensor  # flat uint8
+    storage: int  # its storage's address
+    # The storage's use count while ``buffer`` alone holds it (the count includes the
+    # storage's Python object, once made): a higher count is a tensor still using it.
+    unused_count: int
+    taken: int  # the allocation that last handed it out
+
+    def unused(self) -> bool:
+        return _compat.storage_use_count(self.storage) == self.unused_count
+
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+_kept: list[_Kept] = []
 _kept_bytes = 0
 _peak_in_use = 0  # the most the kept buffers in use held at once, over the process
+_allocations = 0  # large allocations so far
 
 
 def _storage_bytes(size: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
@@ -83,26 +103,30 @@ def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype
 def _take(nbytes: int) -> torch.Tensor | None:
     """The smallest kept buffer no tensor uses that holds ``nbytes`` without much waste;
     else a new one, kept if the bound allows (None where it does not).  Under ``_lock``."""
-    global _kept_bytes, _peak_in_use
-    unused = [entry for entry in _kept if _compat.storage_use_count(entry[1]) == entry[2]]
-    fitting = [entry[0] for entry in unused if MIN_FILL * entry[0].numel() <= nbytes <= entry[0].numel()]
+    global _kept, _kept_bytes, _peak_in_use, _allocations
+    _allocations += 1
+    unused = [k for k in _kept if k.unused()]
+    _kept = [k for k in _kept if k in unused or _allocations - k.taken <= FORGET_AFTER]
+    _kept_bytes = sum(k.nbytes() for k in _kept)
+    fitting = [k for k in unused if MIN_FILL * k.nbytes() <= nbytes <= k.nbytes()]
     if fitting:
-        return min(fitting, key=torch.Tensor.numel)
-    in_use = _kept_bytes - sum(buffer.numel() for buffer, _, _ in unused)
-    _peak_in_use = max(_peak_in_use, in_use + nbytes)
+        chosen = min(fitting, key=_Kept.nbytes)
+        chosen.taken = _allocations
+        return chosen.buffer
+    _peak_in_use = max(_peak_in_use, _kept_bytes - sum(k.nbytes() for k in unused) + nbytes)
     # Unused buffers of other sizes stay for the next call while all that is kept stays
     # within SLACK times the most the programs ever used at once; beyond it the largest
     # go, so a call peaks near where Inductor's plan does.
-    for buffer, storage, count in sorted(unused, key=lambda entry: -entry[0].numel()):
+    for k in sorted(unused, key=_Kept.nbytes, reverse=True):
         if _kept_bytes + nbytes <= SLACK * _peak_in_use:
             break
-        _kept[:] = [entry for entry in _kept if entry[0] is not buffer]
-        _kept_bytes -= buffer.numel()
+        _kept.remove(k)
+        _kept_bytes -= k.nbytes()
     if _kept_bytes + nbytes > MAX_KEPT_BYTES:
         return None
     buffer = torch.empty((nbytes + 63) // 64 * 64, dtype=torch.uint8)  # a whole number of any dtype
     storage = _compat.storage_address(buffer)
-    _kept.append((buffer, storage, _compat.storage_use_count(storage)))
+    _kept.append(_Kept(buffer, storage, _compat.storage_use_count(storage), _allocations))
     _kept_bytes += buffer.numel()
     return buffer
 

@@ -78,7 +78,7 @@ def test_unused_buffers_of_other_sizes_stay_within_the_slack(monkeypatch, slack)
     assert cpu_buffers.kept_bytes() == (10 if slack == 2 else 8) * UNIT
     del eight
     three = _units(3)  # under half of the free 8-unit one: a buffer of its own
-    assert three.data_ptr() not in {b.data_ptr() for b, _, _ in cpu_buffers._kept if b.numel() == 8 * UNIT}
+    assert three.data_ptr() not in {k.buffer.data_ptr() for k in cpu_buffers._kept if k.nbytes() == 8 * UNIT}
     kept = cpu_buffers.kept_bytes()
     assert _units(0.5).shape == (UNIT // 8192, 1024)  # small: torch's own, nothing kept for it
     assert cpu_buffers.kept_bytes() == kept <= slack * 11 * UNIT
@@ -145,3 +145,16 @@ def test_a_compiled_programs_large_buffers_are_kept_and_its_outputs_never_overwr
         assert_same_grads(out, loop_grads(y, x_, v), atol=1e-5, rtol=1e-4)
     assert_backend_ran(graphs=dynbatch.counters().get("graphs", 0))
     assert dynbatch.counters().get("grads_batched", 0) >= 1
+
+
+def test_a_buffer_the_caller_keeps_is_forgotten(monkeypatch):
+    monkeypatch.setattr(cpu_buffers, "FORGET_AFTER", 3)
+    held = _large().fill_(5.0)
+    for _ in range(5):  # others come and go: the held one stays in use
+        other = _units(1)
+        del other
+    assert cpu_buffers.kept_bytes() == UNIT  # only the one in turn
+    assert torch.all(held == 5.0)
+    del held  # torch's again: nothing kept grows
+    _units(1)
+    assert cpu_buffers.kept_bytes() == UNIT
