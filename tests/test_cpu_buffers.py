@@ -158,3 +158,16 @@ def test_a_buffer_the_caller_keeps_is_forgotten(monkeypatch):
     del held  # torch's again: nothing kept grows
     _units(1)
     assert cpu_buffers.kept_bytes() == UNIT
+
+
+@pytest.mark.parametrize("line, large", [
+    ("buf0 = empty_strided_cpu((8, 128), (128, 1), torch.float32)", False),
+    ("buf0 = empty_strided_cpu((1024, 1024), (1024, 1), torch.float32)", True),  # 4 MiB
+    ("buf3 = empty_strided_cpu((s43, 100, 100, 1), (10000, 100, 1, 10000*s43), torch.float32)", True),
+    ("buf1 = empty_strided_cpu((), (), torch.float64)", False),
+])
+def test_only_programs_that_may_allocate_a_large_buffer_take_the_pool(tmp_path, line, large):
+    source = tmp_path / "wrapper.py"
+    source.write_text("def call(args):\n    " + line + "\n")
+    assert cpu_buffers._may_allocate_large({"__file__": str(source)}) is large
+    assert cpu_buffers._may_allocate_large({"__file__": str(tmp_path / "gone.py")})  # unreadable: assumed
