@@ -16,8 +16,8 @@ own), the smallest that holds the request with at most half of it to spare (MIN_
 allocates one and keeps it.  A buffer a caller still holds (an output, a view of one) is
 never handed out again until it is released.  A program whose buffers are all of known,
 small sizes keeps torch's own call (``install`` reads its generated source): the pool's
-Python check costs ~0.5 us an allocation, ~10 % of a 60 us HVP.  One core of the Xeon, `bench ab
-dynbatch.keep_cpu_buffers=False,True`: `full_hessian/lj` N = 100 x0.72-0.82,
+Python check costs ~0.5 us an allocation, ~10 % of a 60 us HVP.  One core of the Xeon,
+`bench ab dynbatch.keep_cpu_buffers=False,True`: `full_hessian/lj` N = 100 x0.72-0.82,
 `full_hessian/pair_mlp` N = 64-128 x0.76-0.83; where glibc's heap already served the
 buffers without faults x0.98-1.03.  Buffers under MIN_BYTES (4 MiB) stay torch's: from
 1 MiB, programs whose buffers the heap served paid the kept path (`attention` B = 64
@@ -26,8 +26,8 @@ everything kept stays within SLACK (2) times the most the kept buffers in use ev
 at once, the largest unused going first beyond it (a call's peak rose 15-50 % where
 buffers are kept); a buffer still in use FORGET_AFTER large allocations after it was
 handed out is the caller's (outputs kept in a list) and is no longer kept; all of it
-stays within MAX_KEPT_BYTES, beyond which a buffer is torch's own, used once.  ``release()`` frees what is kept, and
-``dynbatch.keep_cpu_buffers=False`` compiles programs that allocate as before.  The
+stays within MAX_KEPT_BYTES, beyond which a buffer is torch's own, used once.
+``release()`` frees what is kept, and ``dynbatch.keep_cpu_buffers=False`` compiles programs that allocate as before.  The
 benchmark and the memory tests measure a call's peak after ``release()``, so it counts
 every buffer the call allocates.
 """
@@ -75,7 +75,6 @@ class _Kept:
 
 
 _kept: list[_Kept] = []
-_kept_bytes = 0
 _peak_in_use = 0  # the most the kept buffers in use held at once, over the process
 _allocations = 0  # large allocations so far
 
@@ -108,45 +107,45 @@ def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype
 def _take(nbytes: int) -> torch.Tensor | None:
     """The smallest kept buffer no tensor uses that holds ``nbytes`` without much waste;
     else a new one, kept if the bound allows (None where it does not).  Under ``_lock``."""
-    global _kept, _kept_bytes, _peak_in_use, _allocations
+    global _kept, _peak_in_use, _allocations
     _allocations += 1
-    unused = [k for k in _kept if k.unused()]
-    _kept = [k for k in _kept if k in unused or _allocations - k.taken <= FORGET_AFTER]
-    _kept_bytes = sum(k.nbytes() for k in _kept)
+    states = [(k, k.unused()) for k in _kept]
+    _kept = [k for k, free in states if free or _allocations - k.taken <= FORGET_AFTER]
+    unused = [k for k, free in states if free]
     fitting = [k for k in unused if MIN_FILL * k.nbytes() <= nbytes <= k.nbytes()]
     if fitting:
         chosen = min(fitting, key=_Kept.nbytes)
         chosen.taken = _allocations
         return chosen.buffer
-    _peak_in_use = max(_peak_in_use, _kept_bytes - sum(k.nbytes() for k in unused) + nbytes)
+    kept = kept_bytes()
+    _peak_in_use = max(_peak_in_use, kept - sum(k.nbytes() for k in unused) + nbytes)
     # Unused buffers of other sizes stay for the next call while all that is kept stays
     # within SLACK times the most the programs ever used at once; beyond it the largest
     # go, so a call peaks near where Inductor's plan does.
     for k in sorted(unused, key=_Kept.nbytes, reverse=True):
-        if _kept_bytes + nbytes <= SLACK * _peak_in_use:
+        if kept + nbytes <= SLACK * _peak_in_use:
             break
         _kept.remove(k)
-        _kept_bytes -= k.nbytes()
-    if _kept_bytes + nbytes > MAX_KEPT_BYTES:
+        kept -= k.nbytes()
+    if kept + nbytes > MAX_KEPT_BYTES:
         return None
     buffer = torch.empty((nbytes + 63) // 64 * 64, dtype=torch.uint8)  # a whole number of any dtype
     storage = _compat.storage_address(buffer)
     _kept.append(_Kept(buffer, storage, _compat.storage_use_count(storage), _allocations))
-    _kept_bytes += buffer.numel()
     return buffer
 
 
 def kept_bytes() -> int:
     """Bytes the kept buffers hold (in use or not)."""
-    return _kept_bytes
+    return sum(k.nbytes() for k in _kept)
 
 
 def release() -> None:
     """Stop keeping every buffer (those in use live on with their tensors)."""
-    global _kept_bytes, _peak_in_use
+    global _peak_in_use
     with _lock:
         _kept.clear()
-        _kept_bytes = _peak_in_use = 0
+        _peak_in_use = 0
 
 
 def install(compiled: Any) -> bool:
