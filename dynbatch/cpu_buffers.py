@@ -27,9 +27,9 @@ at once, the largest unused going first beyond it (a call's peak rose 15-50 % wh
 buffers are kept); a buffer still in use FORGET_AFTER large allocations after it was
 handed out is the caller's (outputs kept in a list) and is no longer kept; all of it
 stays within MAX_KEPT_BYTES, beyond which a buffer is torch's own, used once.
-``release()`` frees what is kept, and ``dynbatch.keep_cpu_buffers=False`` compiles programs that allocate as before.  The
-benchmark and the memory tests measure a call's peak after ``release()``, so it counts
-every buffer the call allocates.
+``release()`` frees what is kept, and ``dynbatch.keep_cpu_buffers=False`` compiles
+programs that allocate as before.  The benchmark and the memory tests measure a call's
+peak after ``release()``, so it counts every buffer the call allocates.
 """
 
 from __future__ import annotations
