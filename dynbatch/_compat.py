@@ -14,6 +14,7 @@ memory.py, the count of a fake run's unbacked sizes in capture.py).
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -510,13 +511,13 @@ def inductor_empty_strided_cpu() -> Callable[[Any, Any, torch.dtype], torch.Tens
     return torch._C._dynamo.guards._empty_strided_cpu
 
 
-def inductor_wrapper_globals(compiled: Any) -> dict | None:
-    """The module namespace of a compiled program's generated Python wrapper (where its
+def inductor_wrapper_function(compiled: Any) -> types.FunctionType | None:
+    """The function of a compiled program's generated Python wrapper that runs a call
+    (``Runner.call`` on 2.13; its module namespace is its ``__globals__``, where
     ``empty_strided_cpu`` is bound), or None (a C++ wrapper, an unknown output type)."""
     call = getattr(compiled, "current_callable", None)
     call = getattr(call, "__func__", call)
-    namespace = getattr(call, "__globals__", None)
-    return namespace if isinstance(namespace, dict) else None
+    return call if isinstance(call, types.FunctionType) else None
 
 
 def storage_address(t: torch.Tensor) -> int:

@@ -10,13 +10,16 @@ call of the learned pair potential's Hessian at N = 100-128.  A process-wide mal
 setting (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``) is the user's to make, not
 a library's; so dynbatch keeps the large buffers of its own programs between calls, as
 CUDA's caching allocator keeps device memory.  Inductor's generated code for a dynbatch
-graph allocates through ``empty_strided`` below (``install``), which hands out a kept
+graph allocates its large buffers through ``empty_strided`` below, which hands out a kept
 buffer that no tensor uses any more (its storage's use count is back to the kept tensor's
 own), the smallest that holds the request with at most half of it to spare (MIN_FILL), or
 allocates one and keeps it.  A buffer a caller still holds (an output, a view of one) is
-never handed out again until it is released.  A program whose buffers are all of known,
-small sizes keeps torch's own call (``install`` reads its generated source): the pool's
-Python check costs ~0.5 us an allocation, ~10 % of a 60 us HVP.  One core of the Xeon,
+never handed out again until it is released.  Each allocation site is decided apart
+(``install``: the wrapper's function compiled again from its generated source): a known
+size from MIN_BYTES calls the pool, a symbolic one calls it where the call's sizes reach
+MIN_BYTES (a comparison in the generated code), the rest keep torch's own call.  Sending
+every allocation to the pool's Python check cost ~0.5 us each: HVPs of K = 4-16 (~0.1 ms
+a call, B symbolic) took x1.05-1.10.  One core of the Xeon,
 `bench ab dynbatch.keep_cpu_buffers=False,True`: `full_hessian/lj` N = 100 x0.72-0.82,
 `full_hessian/pair_mlp` N = 64-128 x0.76-0.83; where glibc's heap already served the
 buffers without faults x0.98-1.03.  Buffers under MIN_BYTES (4 MiB) stay torch's: from
@@ -34,10 +37,12 @@ peak after ``release()``, so it counts every buffer the call allocates.
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
-import math
-import re
+import functools
 import threading
+import types
 from typing import Any, Sequence
 
 import torch
@@ -149,32 +154,117 @@ def release() -> None:
 
 
 def install(compiled: Any) -> bool:
-    """Make a compiled Inductor program allocate its CPU buffers here; False where its
-    generated code is not reachable (then it allocates as before) or allocates nothing
-    this large (its sizes known and small: it keeps torch's call, which costs less)."""
-    namespace = _compat.inductor_wrapper_globals(compiled)
-    if namespace is None or "empty_strided_cpu" not in namespace or not _may_allocate_large(namespace):
+    """Route a compiled Inductor program's allocations that may be large here, each site
+    decided apart (``routed_function``); False where none may be (or its wrapper is C++:
+    then it allocates as before).  Raises where its generated code is not as expected."""
+    call = _compat.inductor_wrapper_function(compiled)
+    if call is None or "empty_strided_cpu" not in call.__globals__:
         return False
-    namespace["empty_strided_cpu"] = empty_strided
+    with open(call.__code__.co_filename) as f:
+        routed = routed_function(f.read(), call.__code__)
+    if routed is None:
+        return False
+    call.__globals__[_KEPT] = empty_strided
+    call.__code__ = routed  # the same function object: every reference to it sees the change
     return True
 
 
-_ALLOCATION = re.compile(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
+_KEPT = "_dynbatch_empty_strided"  # the name routed sites call, bound in the wrapper's module
+_ALLOCATE = "empty_strided_cpu"  # Inductor's
 
 
-def _may_allocate_large(namespace: dict) -> bool:
-    """Whether the generated code allocates a buffer whose size is symbolic or, known, at
-    least half MIN_BYTES (read from its source; unreadable: assumed so)."""
-    try:
-        with open(namespace["__file__"]) as f:
-            source = f.read()
-    except (KeyError, OSError, TypeError):
+def routed_function(source: str, code: types.CodeType) -> types.CodeType | None:
+    """``code``'s function, compiled again from the generated ``source`` with each of its
+    allocations that may be large calling the pool: one of a known size from MIN_BYTES,
+    one of a symbolic size where its sizes at the call reach it (a comparison in the
+    generated code: a dynamic program's small buffers pay nothing).  None where no
+    allocation may be large."""
+    tree = ast.parse(source, code.co_filename)
+    path = _definition(tree, code)
+    if path is None:
+        raise LookupError(f"{code.co_name} (line {code.co_firstlineno}) not found in {code.co_filename}")
+    *classes, function = path
+    if _allocation_sites(tree) != _allocation_sites(function):
+        raise LookupError(f"{code.co_filename} allocates outside {code.co_name}")
+    router = _RouteAllocations()
+    function = router.visit(copy.deepcopy(function))
+    if not router.routed:
+        return None
+    for cls in reversed(classes):  # nested as it was: the same qualified name, the same cells
+        cls = copy.copy(cls)
+        cls.body, cls.bases, cls.keywords, cls.decorator_list = [function], [], [], []
+        function = cls
+    module = compile(ast.fix_missing_locations(ast.Module([function], [])), code.co_filename, "exec")
+    return _code_named(module, code.co_name, code.co_firstlineno)
+
+
+def _definition(tree: ast.Module, code: types.CodeType) -> list[ast.AST] | None:
+    """The classes around ``code``'s definition, and the definition."""
+    todo = [([], node) for node in tree.body]
+    while todo:
+        outer, node = todo.pop()
+        if isinstance(node, ast.FunctionDef) and (node.name, node.lineno) == (code.co_name, code.co_firstlineno):
+            return [*outer, node]
+        if isinstance(node, ast.ClassDef):
+            todo.extend(([*outer, node], child) for child in node.body)
+    return None
+
+
+def _allocation_sites(tree: ast.AST) -> int:
+    return sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == _ALLOCATE
+               for n in ast.walk(tree))
+
+
+def _code_named(code: types.CodeType, name: str, line: int) -> types.CodeType | None:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if (const.co_name, const.co_firstlineno) == (name, line):
+                return const
+            found = _code_named(const, name, line)
+            if found is not None:
+                return found
+    return None
+
+
+class _RouteAllocations(ast.NodeTransformer):
+    """``empty_strided_cpu(size, stride, dtype)`` -> the pool's call where it is large
+    (a known size), ``(pool if s0 * s1 >= n else empty_strided_cpu)(...)`` where its size is
+    symbolic, unchanged where it is known and small."""
+
+    def __init__(self) -> None:
+        self.routed = 0
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if not (isinstance(node.func, ast.Name) and node.func.id == _ALLOCATE):
+            return node
+        large = _large_when(node)
+        if large is False:
+            return node
+        self.routed += 1
+        kept = ast.copy_location(ast.Name(_KEPT, ast.Load()), node.func)
+        if large is not True:
+            kept = ast.copy_location(ast.IfExp(large, kept, node.func), node.func)
+        return ast.copy_location(ast.Call(kept, node.args, node.keywords), node)
+
+
+def _large_when(node: ast.Call) -> bool | ast.expr:
+    """Whether an allocation holds MIN_BYTES: True, False, or the test of its symbolic sizes
+    (their product, the static ones folded).  An allocation not written as Inductor writes
+    them goes to the pool, which checks."""
+    if len(node.args) != 3 or node.keywords or not isinstance(node.args[0], ast.Tuple):
         return True
-    for sizes, dtype in _ALLOCATION.findall(source):
-        dims = [d.strip() for d in sizes.split(",") if d.strip()]
-        if not all(d.isdigit() for d in dims):
-            return True
-        itemsize = getattr(getattr(torch, dtype, None), "itemsize", 8)
-        if math.prod(int(d) for d in dims) * itemsize >= MIN_BYTES // 2:
-            return True
-    return False
+    dtype = node.args[2]
+    itemsize = getattr(getattr(torch, dtype.attr, None), "itemsize", None) if isinstance(dtype, ast.Attribute) else None
+    if not isinstance(itemsize, int):
+        return True
+    known, symbolic = itemsize, []
+    for size in node.args[0].elts:
+        if isinstance(size, ast.Constant) and isinstance(size.value, int):
+            known *= size.value
+        else:
+            symbolic.append(copy.deepcopy(size))
+    if not symbolic or known == 0:
+        return known >= MIN_BYTES
+    product = functools.reduce(lambda a, b: ast.BinOp(a, ast.Mult(), b), symbolic)
+    return ast.Compare(product, [ast.GtE()], [ast.Constant(-(-MIN_BYTES // known))])

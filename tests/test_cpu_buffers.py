@@ -160,14 +160,86 @@ def test_a_buffer_the_caller_keeps_is_forgotten(monkeypatch):
     assert cpu_buffers.kept_bytes() == UNIT
 
 
-@pytest.mark.parametrize("line, large", [
-    ("buf0 = empty_strided_cpu((8, 128), (128, 1), torch.float32)", False),
-    ("buf0 = empty_strided_cpu((1024, 1024), (1024, 1), torch.float32)", True),  # 4 MiB
-    ("buf3 = empty_strided_cpu((s43, 100, 100, 1), (10000, 100, 1, 10000*s43), torch.float32)", True),
-    ("buf1 = empty_strided_cpu((), (), torch.float64)", False),
+WRAPPER = """
+class Runner:
+    def __init__(self, partitions):
+        self.partitions = partitions
+
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        s33 = arg1_1
+        buf0 = empty_strided_cpu((8, 128), (128, 1), torch.float32)
+        buf1 = empty_strided_cpu((1024, 1024), (1024, 1), torch.float32)
+        buf2 = empty_strided_cpu((s33, 100, 100, 1), (10000, 100, 1, 10000*s33), torch.float32)
+        buf3 = empty_strided_cpu((8*s33, 16), (16, 1), torch.float64)
+        buf4 = empty_strided_cpu((), (), torch.float64)
+        return (buf0, buf1, buf2, buf3, buf4)
+
+
+runner = Runner(partitions=[])
+call = runner.call
+"""
+
+
+def _wrapper(tmp_path):
+    """A generated wrapper's module, as Inductor writes one, with its ``call``."""
+    path = tmp_path / "wrapper.py"
+    path.write_text(WRAPPER)
+    namespace = {"__file__": str(path), "torch": torch, "empty_strided_cpu": None}
+    exec(compile(WRAPPER, str(path), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("s33, pooled", [
+    (1, [False, True, False, False, False]),  # 40 KB and 1 KB: only the 4 MiB buffer of known size
+    (104, [False, True, False, False, False]),  # 3.97 MiB and 106 KB
+    (105, [False, True, True, False, False]),  # 4.005 MiB
+    (32768, [False, True, True, True, False]),  # the float64 [8 * s33, 16] reaches 4 MiB
 ])
-def test_only_programs_that_may_allocate_a_large_buffer_take_the_pool(tmp_path, line, large):
-    source = tmp_path / "wrapper.py"
-    source.write_text("def call(args):\n    " + line + "\n")
-    assert cpu_buffers._may_allocate_large({"__file__": str(source)}) is large
-    assert cpu_buffers._may_allocate_large({"__file__": str(tmp_path / "gone.py")})  # unreadable: assumed
+def test_each_allocation_site_takes_the_pool_only_where_its_size_can_be_large(tmp_path, s33, pooled):
+    namespace = _wrapper(tmp_path)
+    calls = []
+    namespace["empty_strided_cpu"] = lambda size, stride, dtype: calls.append(("torch", size))
+    code = cpu_buffers.routed_function(WRAPPER, namespace["call"].__code__)
+    namespace["call"].__func__.__code__ = code  # as install does
+    namespace[cpu_buffers._KEPT] = lambda size, stride, dtype: calls.append(("pool", size))
+    namespace["call"]((None, s33))
+    assert [who == "pool" for who, _ in calls] == pooled
+    assert code.co_qualname == "Runner.call"
+
+
+def test_a_wrapper_that_allocates_nothing_large_is_left_as_it_is(tmp_path):
+    small = WRAPPER.replace("(1024, 1024)", "(2, 2)").replace("(s33, 100, 100, 1)", "(3, 100, 100, 1)")
+    small = small.replace("(8*s33, 16)", "(8, 16)")
+    path = tmp_path / "small.py"
+    path.write_text(small)
+    namespace = {}
+    exec(compile(small, str(path), "exec"), namespace)
+    assert cpu_buffers.routed_function(small, namespace["call"].__code__) is None
+
+
+def test_an_allocation_outside_the_call_is_not_routed_silently(tmp_path):
+    namespace = _wrapper(tmp_path)
+    elsewhere = WRAPPER + "\ndef other():\n    return empty_strided_cpu((4, 4), (4, 1), torch.float32)\n"
+    with pytest.raises(LookupError, match="outside"):
+        cpu_buffers.routed_function(elsewhere, namespace["call"].__code__)
+
+
+def test_a_dynamic_programs_small_calls_never_reach_the_pool(monkeypatch):
+    pooled = []
+    pool = cpu_buffers.empty_strided
+    monkeypatch.setattr(cpu_buffers, "empty_strided", lambda *a: pooled.append(a[0]) or pool(*a))
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen) / 8
+    # aten's products: every buffer is the generated code's (dynbatch's own products take a
+    # kept output through the pool's check, as any caller does)
+    f = compile_dynbatch(_jacobian_rows, options={**DEFAULTS, "dynbatch.cpu_matmul": "aten"})
+    for batch in (4, 8, 16, 512):  # B symbolic from the second call
+        v = torch.randn(batch, 64, 64, generator=gen)
+        out = f(x, w, v)
+        x_ = x.detach().requires_grad_()
+        assert_same_grads(out, loop_grads(torch.tanh(x_ @ w) * torch.sigmoid(x_ @ w), x_, v),
+                          atol=1e-5, rtol=1e-4)
+        assert bool(pooled) == (batch == 512), pooled  # 8 MiB buffers at B = 512 only
+    assert cpu_buffers.kept_bytes() > 0
+    assert_backend_ran(graphs=2)
