@@ -87,7 +87,7 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
                          mode: str | None, options: dict[str, Any] | None):
     """Lower the batched graph; where the memory plan asks, with grads run chunk by chunk
     (NOTE [Chunked batched grads] in chunking.py)."""
-    planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs, opts.cpu_buffers_kept), opts.chunk_size)
+    planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size)
     record.memory_budget = planner.budget
     # A chunk program is compiled like this graph, without a budget.
     unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None}

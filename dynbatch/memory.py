@@ -35,7 +35,7 @@ import sympy
 import torch
 import torch.fx
 
-from . import _compat, cpu_buffers, fx_utils
+from . import _compat, fx_utils
 
 log = logging.getLogger("dynbatch")
 
@@ -64,14 +64,7 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_; docs/usage.md, "Memory") keeps
 # freed blocks on its heap: there no call faults, unchunked is fastest (chunks cost
 # 7-31 %, each re-runs the forward), and the cap rises to half the smaller threshold
-# (malloc_keeps_memory_below).  Programs that keep their large buffers between calls
-# (Inductor's, unless dynbatch.keep_cpu_buffers=False: cpu_buffers.py) do not fault
-# either, and the cap is half what dynbatch keeps (MAX_KEPT_BYTES: 1 GiB).  One core of the
-# Xeon, `bench ab dynbatch.memory_budget=16MiB,auto --workloads full_hessian,lj_forces,hessian
-# --threads 1`: `full_hessian/lj` N = 100 x0.74, N = 200 x0.82 (its chunk program runs
-# slower than the whole graph's kernels at any chunk size), `pair_mlp` N = 64 x1.02, N = 128
-# x0.98, the rest x0.99-1.01; the peak of a call no longer chunked rose (`lj` N = 200 12.6 ->
-# 370 MiB, `pair_mlp` N = 128 56 MiB -> 1.28 GB).
+# (malloc_keeps_memory_below).
 
 # Several batched grads in one graph whose B-dependent memory adds up to more
 # than this run one after another (each within the budget), even if together
@@ -288,26 +281,23 @@ def _hints(vals) -> dict[sympy.Symbol, int]:
 
 # --- the budget and the plan ------------------------------------------------------
 
-def auto_budget(device: torch.device, buffers_kept: bool = False) -> int:
+def auto_budget(device: torch.device) -> int:
     """AUTO_BUDGET_FRACTION of the memory free on ``device`` now; on the CPU at most
-    its speed cap (NOTE [CPU chunks for speed])."""
+    CPU_AUTO_BUDGET, or half what malloc keeps mapped (NOTE [CPU chunks for speed])."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * AUTO_BUDGET_FRACTION)
     budget = int(available_ram() * AUTO_BUDGET_FRACTION)
     # Only the CPU allocates through malloc; other devices keep their own caches.
-    return min(budget, cpu_speed_cap(buffers_kept=buffers_kept)) if device.type == "cpu" else budget
+    return min(budget, cpu_speed_cap()) if device.type == "cpu" else budget
 
 
-def cpu_speed_cap(environ: Mapping[str, str] = os.environ, buffers_kept: bool = False) -> int:
-    """The most a CPU chunk may hold before its buffers go back to the kernel at each call:
-    CPU_AUTO_BUDGET under glibc's defaults, half the smaller threshold where the process
-    was started with both raised, half the most dynbatch keeps where its programs keep
-    their large buffers (``buffers_kept``: cpu_buffers.py)."""
+def cpu_speed_cap(environ: Mapping[str, str] = os.environ) -> int:
+    """The most a CPU chunk may hold before malloc hands its blocks back to the kernel:
+    CPU_AUTO_BUDGET under glibc's defaults, half the smaller threshold where the
+    process was started with both raised."""
     kept = malloc_keeps_memory_below(environ.get("GLIBC_TUNABLES", ""),
                                      {name: environ[name] for name in _MALLOC_ALIASES if name in environ})
-    if buffers_kept:
-        kept = max(kept or 0, cpu_buffers.MAX_KEPT_BYTES)
     return max(CPU_AUTO_BUDGET, kept // 2) if kept else CPU_AUTO_BUDGET
 
 
@@ -471,19 +461,18 @@ class Planner:
         return plans
 
 
-def resolve_budget(budget: int | str | None, example_inputs: Sequence[Any], buffers_kept: bool = False) -> int | None:
+def resolve_budget(budget: int | str | None, example_inputs: Sequence[Any]) -> int | None:
     """The bytes one chunk of a batched backward may hold.  The budget is a ceiling,
-    and within it the fastest chunk: on the CPU chunks larger than what malloc (or
-    dynbatch, ``buffers_kept``) keeps mapped run slower (NOTE [CPU chunks for speed]), so
-    any budget is lowered to the CPU's speed cap, as "auto" is.  None: no budget, batched
-    grads run unchunked."""
+    and within it the fastest chunk: on the CPU larger chunks run slower (NOTE [CPU
+    chunks for speed]), so any budget is lowered to the CPU's speed cap, as "auto" is.
+    None: no budget, batched grads run unchunked."""
     if budget is None:
         return None
     devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
     device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
     if budget == "auto":
-        return auto_budget(device, buffers_kept)
-    return min(budget, cpu_speed_cap(buffers_kept=buffers_kept)) if device.type == "cpu" else budget
+        return auto_budget(device)
+    return min(budget, cpu_speed_cap()) if device.type == "cpu" else budget
 
 
 def binder(estimate: Estimate, args: Sequence[Any]) -> Callable[[Sequence[Any]], dict[sympy.Symbol, int]]:

@@ -56,12 +56,6 @@ class Options:
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    @property
-    def cpu_buffers_kept(self) -> bool:
-        """Whether the programs compiled keep their large CPU buffers: only Inductor's
-        generated code allocates through cpu_buffers.py."""
-        return self.keep_cpu_buffers and self.inner_compiler == "inductor"
-
     @classmethod
     def known_names(cls) -> list[str]:
         return [PREFIX + f.name for f in dataclasses.fields(cls) if f.name != "inductor_config"]

@@ -103,8 +103,8 @@ class DeviceCost:
 # project's 2-core AMD EPYC (Zen 3), recomputing wherever Inductor would inline the
 # copies gained nothing consistent: `python -m dynbatch.bench ab dynbatch.recompute=never,always
 # --workloads full_hessian,lj_forces,pinn --threads 1` read x0.88-1.03, the force-training
-# step x0.86-1.02 (docs/benchmarks.md), with the 16 MiB CPU chunks of then
-# (memory.CPU_AUTO_BUDGET), which kept a stored tensor in cache.
+# step x0.86-1.02 (docs/benchmarks.md).  dynbatch's CPU chunks (memory.CPU_AUTO_BUDGET)
+# keep a stored tensor in cache, where reading it back is cheap.
 COSTS = {"cuda": DeviceCost(bytes_per_flop=0.07, min_saved_bytes=16 * 2**20)}
 
 

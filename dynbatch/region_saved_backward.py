@@ -321,7 +321,7 @@ class _Program:
         fakes, self.pinned = _fakes(mode, placeholders, args, n_saved)
         module = _batched_module(grads_graph, n_saved, len(args) - n_saved, sum(self.present))
         record = CompileRecord(saved_backward=True)
-        budget = memory.resolve_budget(options.memory_budget, args, options.cpu_buffers_kept)
+        budget = memory.resolve_budget(options.memory_budget, args)
         self.planner = memory.Planner(budget, options.chunk_size)
         # Estimates only (a budget nothing exceeds): the chunks are this module's loop.
         collecting = memory.Planner(sys.maxsize if self.planner.active else None, None)

@@ -27,7 +27,7 @@ import dynbatch
 from dynbatch import chunking, cpu_buffers, memory
 from dynbatch.bench.measure import _profiled_peak
 from dynbatch.options import Options, parse_memory_budget
-from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
+from conftest import DEFAULTS, assert_same_grads, compile_dynbatch, loop_grads
 
 grad = torch.autograd.grad
 
@@ -559,36 +559,3 @@ def test_a_plan_that_cannot_be_made_costs_neither_the_compile_nor_the_markers(mo
     assert_same_grads(out, eager_jacobian(x, V))
     assert "no memory plan" in caplog.text and not plans()
     assert "batch_marker" not in dynbatch.compile_records()[-1].aten_graphs[0]
-
-
-def test_cpu_speed_cap_is_half_the_pools_bound_where_programs_keep_their_buffers(monkeypatch):
-    monkeypatch.setattr(cpu_buffers, "MAX_KEPT_BYTES", 2**33)
-    assert memory.cpu_speed_cap({}, buffers_kept=True) == 2**32
-    assert memory.cpu_speed_cap({"GLIBC_TUNABLES": KEEP_MEMORY}, buffers_kept=True) == 2**32
-    assert memory.resolve_budget(2**40, [torch.zeros(1)], buffers_kept=True) == 2**32
-    assert memory.resolve_budget(2**40, [torch.zeros(1)]) == memory.CPU_AUTO_BUDGET
-    monkeypatch.setattr(cpu_buffers, "MAX_KEPT_BYTES", 2**20)  # below the cap: the cap stays
-    assert memory.cpu_speed_cap({}, buffers_kept=True) == memory.CPU_AUTO_BUDGET
-
-
-@pytest.mark.parametrize("options, kept", [
-    ({}, True),
-    ({"dynbatch.keep_cpu_buffers": False}, False),
-    ({"dynbatch.inner_compiler": "aot_eager"}, False),  # eager kernels allocate as torch does
-])
-def test_only_inductors_programs_keep_their_buffers(options, kept):
-    assert Options.from_compile_args(None, options).cpu_buffers_kept is kept
-
-
-@pytest.mark.parametrize("keep", [True, False])
-def test_auto_budget_leaves_a_cpu_backward_unchunked_where_its_buffers_are_kept(monkeypatch, keep):
-    # The backward the lowered cap chunks (above): Inductor's program keeps its large
-    # buffers, so no call faults them in, and it runs in one piece (NOTE [CPU chunks for speed]).
-    monkeypatch.setattr(memory, "CPU_AUTO_BUDGET", 2**20)
-    pos = lattice(40)
-    V = torch.eye(120).view(120, 40, 3)
-    f = compile_dynbatch(hessian_rows, options={**INDUCTOR, "dynbatch.keep_cpu_buffers": keep})
-    assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
-    (plan,) = plans()
-    assert plan.applied is not keep, plan
-    assert plan.batch * plan.bytes_per_sample > 2**20

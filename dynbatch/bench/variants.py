@@ -177,8 +177,7 @@ def memory_budget(variant: str, device: torch.device) -> int | None:
     import dynbatch.memory
 
     if variant in ("dynbatch", "dynbatch_outside", "dynbatch_outside_cudagraphs"):
-        # the default options: Inductor, large CPU buffers kept
-        return dynbatch.memory.resolve_budget("auto", [torch.zeros(1, device=device)], buffers_kept=True)
+        return dynbatch.memory.resolve_budget("auto", [torch.zeros(1, device=device)])
     if variant == "dynbatch_budget":
         return dynbatch.options.parse_memory_budget(TIGHT_BUDGET)
     return None
