@@ -64,7 +64,12 @@ CPU_AUTO_BUDGET = 16 * 2**20
 # MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_; docs/usage.md, "Memory") keeps
 # freed blocks on its heap: there no call faults, unchunked is fastest (chunks cost
 # 7-31 %, each re-runs the forward), and the cap rises to half the smaller threshold
-# (malloc_keeps_memory_below).
+# (malloc_keeps_memory_below).  dynbatch's programs now keep their large buffers
+# (cpu_buffers.py), so no call faults either way, and 16 MiB chunks stay the fastest:
+# unchunked (a 1 GiB cap, tried) took x1.10 of their time on `full_hessian/lj` N = 100 and
+# 200 and x1.00-1.03 on `pair_mlp`, at up to 23 times the peak (one Xeon core, `bench ab
+# dynbatch.memory_budget=16MiB,auto`, with the chunk program's masks rebuilt: NOTE [Masks
+# rebuilt in the chunk program] in chunking.py).
 
 # Several batched grads in one graph whose B-dependent memory adds up to more
 # than this run one after another (each within the budget), even if together

@@ -559,3 +559,58 @@ def test_a_plan_that_cannot_be_made_costs_neither_the_compile_nor_the_markers(mo
     assert_same_grads(out, eager_jacobian(x, V))
     assert "no memory plan" in caplog.text and not plans()
     assert "batch_marker" not in dynbatch.compile_records()[-1].aten_graphs[0]
+
+
+def _new_chunk_programs(before):
+    return [p for k, p in chunking._PROGRAMS.items() if k not in before]
+
+
+def _deps(program):
+    return [n.name for n in program.gm.graph.find_nodes(op="placeholder") if n.name.startswith("dep_")]
+
+
+def test_masks_built_from_sizes_are_rebuilt_in_the_chunk_program():
+    # NOTE [Masks rebuilt in the chunk program]: lj_energy's eye and triu mask
+    before = set(chunking._PROGRAMS)
+    pos = lattice(8)
+    V = torch.randn(24, 8, 3, generator=torch.Generator().manual_seed(2))
+    out = compile_dynbatch(hessian_rows, options={"dynbatch.chunk_size": 10})(pos, V)
+    assert_same_grads(out, eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    (program,) = _new_chunk_programs(before)
+    assert _deps(program) == []
+
+
+def _energy_with(make_mask):
+    def rows(pos, V):
+        pos = pos.detach().requires_grad_()
+        n = pos.shape[0]
+        diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+        r2 = (diff * diff).sum(-1) + torch.eye(n)
+        e = (r2.pow(-3) * make_mask(n)).sum()
+        g = grad(e, pos, create_graph=True)[0]
+        return grad(g, pos, V, is_grads_batched=True)[0]
+    return rows
+
+
+def _written_mask(n):
+    mask = torch.ones(n, n)
+    mask.triu_(1)  # written in place: the node the energy reads does not show it
+    return mask
+
+
+@pytest.mark.parametrize("make_mask, rebuilt", [
+    (lambda n: torch.ones(n, n).triu(1), True),
+    (_written_mask, False),
+    (lambda n: torch.rand(n, n) + 1, False),  # a re-run would draw other numbers
+])
+def test_only_masks_without_writes_or_random_numbers_are_rebuilt(make_mask, rebuilt):
+    before = set(chunking._PROGRAMS)
+    pos = lattice(6)
+    V = torch.randn(18, 6, 3, generator=torch.Generator().manual_seed(3))
+    rows = _energy_with(make_mask)
+    torch.manual_seed(0)
+    out = compile_dynbatch(rows, options={"dynbatch.chunk_size": 5})(pos, V)
+    (program,) = _new_chunk_programs(before)
+    assert (_deps(program) == []) is rebuilt, _deps(program)
+    torch.manual_seed(0)  # eager draws the same mask
+    assert_same_grads(out, rows(pos, V), atol=1e-4, rtol=1e-4)
