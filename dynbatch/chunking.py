@@ -349,11 +349,9 @@ def _check_rerunnable(n: torch.fx.Node, upstream: set, random_nodes: set) -> Non
     ``random_nodes``: the Dynamo nodes whose aten ops draw random numbers (memory.Planner)."""
     target = n.target
     name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
-    if n.op == "call_method" and name.endswith("_") and name not in ("requires_grad_",):
+    if _writes_in_place(n):
         raise Refused(f"{n.name} writes in place ({name})")
-    if n.op == "call_function" and target in (operator.setitem,):
-        raise Refused(f"{n.name} writes in place (setitem)")
-    if n.name in random_nodes or fx_utils.traced_name(n) in random_nodes:
+    if _draws_random_numbers(n, random_nodes):
         raise Refused(f"{n.name} draws random numbers ({name}); a re-run would draw others")
     if n.op == "call_function" and target is torch.autograd.grad:
         for x in _nodes(_bound(n)["inputs"]):
@@ -362,7 +360,7 @@ def _check_rerunnable(n: torch.fx.Node, upstream: set, random_nodes: set) -> Non
                               "grad's inputs")
 
 
-def _collect_deps(part, in_part: set, deps: list, ints: list, pulled: list, random_nodes=frozenset()) -> None:
+def _collect_deps(part, in_part: set, deps: list, ints: list, pulled: list, random_nodes: set) -> None:
     """Values the part reads from the rest of the graph: tensors and ints are passed in;
     tensors built from no tensor input (NOTE [Masks rebuilt in the chunk program]) and
     other values (shapes, tuples) are recomputed from their own inputs."""
@@ -403,7 +401,7 @@ def _built_from_no_tensor(node: torch.fx.Node, random_nodes) -> bool:
     for n in (node, *memory.ancestors([node])):
         if n.op == "placeholder" and isinstance(_val(n), torch.Tensor):
             return False
-        if n.op in ("get_attr", "output") or n.name in random_nodes or fx_utils.traced_name(n) in random_nodes:
+        if n.op in ("get_attr", "output") or _draws_random_numbers(n, random_nodes):
             return False
         if any(_writes_in_place(m) for m in (n, *n.users)):
             return False
@@ -411,9 +409,15 @@ def _built_from_no_tensor(node: torch.fx.Node, random_nodes) -> bool:
 
 
 def _writes_in_place(n: torch.fx.Node) -> bool:
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    return (n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
-            and name != "requires_grad_") or n.target is operator.setitem
+    """A Dynamo node that writes its tensor in place: ``x.add_(...)`` (not ``requires_grad_``), ``x[i] = v``."""
+    if n.op == "call_method":
+        return n.target.endswith("_") and n.target != "requires_grad_"
+    return n.op == "call_function" and n.target is operator.setitem
+
+
+def _draws_random_numbers(n: torch.fx.Node, random_nodes: set) -> bool:
+    """``random_nodes``: the Dynamo nodes whose aten ops draw random numbers (memory.Planner)."""
+    return n.name in random_nodes or fx_utils.traced_name(n) in random_nodes
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, program: ChunkProgram, args: dict, by_name) -> None:
