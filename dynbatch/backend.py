@@ -89,8 +89,11 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
     (NOTE [Chunked batched grads] in chunking.py)."""
     planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size)
     record.memory_budget = planner.budget
-    # A chunk program is compiled like this graph, without a budget.
-    unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None}
+    # A chunk program is compiled like this graph, without a budget, and without CUDA
+    # graphs: it runs inside the graph's chunk loop, which is never replayed (the op is
+    # cudagraph_unsafe), and a replay would overwrite one chunk's grads with the next's.
+    unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None,
+                  "triton.cudagraphs": False}
     compile_program = functools.partial(_compile_like, mode=mode, options=unbudgeted, chunk_program=True)
 
     def lower_chunked(grads: Sequence[str], inputs: Sequence[Any]) -> Callable[..., Any]:

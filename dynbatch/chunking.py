@@ -133,7 +133,10 @@ def _owned(grad: torch.Tensor, args: Sequence[torch.Tensor]) -> torch.Tensor:
     return grad.contiguous()
 
 
-@torch.library.custom_op("dynbatch::chunked_grad", mutates_args=())
+# cudagraph_unsafe: its loop runs Python (guards, a chunk count that depends on B, a
+# program compiled at its first run), which a CUDA graph's replay would skip; Inductor
+# runs it between the graph's CUDA-graph partitions instead of recording it.
+@torch.library.custom_op("dynbatch::chunked_grad", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def chunked_grad(key: str, inputs: list[torch.Tensor], deps: list[torch.Tensor], ints: list[int],
                  cotangents: list[torch.Tensor]) -> list[torch.Tensor]:
     """One batched grad run chunk by chunk through its compiled chunk program."""

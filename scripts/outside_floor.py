@@ -58,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1, help="B, the cotangents per call")
     parser.add_argument("--reps", type=int, default=2000, help="timed calls of each row")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model runs (cuda: the cuda size tier, a sync after each call)")
     parser.add_argument("--interleaved", action="store_true",
                         help="time the rows' calls in turn, not each row in a run of its own")
     parser.add_argument("--split", action="store_true",
@@ -65,10 +67,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.split:
-        split(args.batch, args.reps)
+        split(args.batch, args.reps, torch.device(args.device))
         return
 
-    problem = workloads.sweep("cpu", [args.batch], torch.device("cpu"))[0]
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    problem = workloads.sweep(device.type, [args.batch], device)[0]
     case = problem.cases[0]
     x = case.x.detach().requires_grad_()
     v = case.cotangents
@@ -94,9 +98,10 @@ def main() -> None:
         for name, call in calls:
             start = time.perf_counter()
             call()
+            sync()
             times[name].append(time.perf_counter() - start)
     how = "interleaved calls" if args.interleaved else "calls in a run of their own"
-    print(f"torch {torch.__version__}, 1 thread, sweep B={args.batch}, medians of {args.reps} {how}")
+    print(f"torch {torch.__version__} on {device}, 1 thread, sweep B={args.batch}, medians of {args.reps} {how}")
     for name, ts in times.items():
         print(f"{name:32s} {statistics.median(ts) * 1e6:8.1f} us")
 
@@ -115,8 +120,9 @@ def _timed(cls: type, name: str, stamps: dict[str, float]) -> None:
     setattr(cls, name, timed)
 
 
-def split(batch: int, reps: int) -> None:
-    problem = workloads.sweep("cpu", [batch], torch.device("cpu"))[0]
+def split(batch: int, reps: int, device: torch.device) -> None:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    problem = workloads.sweep(device.type, [batch], device)[0]
     case = problem.cases[0]
     x = case.x.detach().requires_grad_()
     v = case.cotangents
@@ -136,6 +142,7 @@ def split(batch: int, reps: int) -> None:
         forward_end = time.perf_counter()
         torch.autograd.grad(y, x, v, is_grads_batched=True)
         end = time.perf_counter()
+        sync()
         if "run in" not in stamps:
             raise SystemExit("the call did not take the saved activations' program: nothing to split")
         program = stamps["run out"] - stamps["run in"]
@@ -144,7 +151,7 @@ def split(batch: int, reps: int) -> None:
                 stamps["backward out"] - stamps["backward in"] - program, program,
                 end - stamps["backward out"], end - start)):
             phases[name].append(seconds)
-    print(f"torch {torch.__version__}, 1 thread, sweep B={batch}: dynbatch outside in phases, medians of {reps} calls")
+    print(f"torch {torch.__version__} on {device}, 1 thread, sweep B={batch}: dynbatch outside in phases, medians of {reps} calls")
     for name, ts in phases.items():
         print(f"{name:40s} {statistics.median(ts) * 1e6:8.1f} us")
 

@@ -614,3 +614,21 @@ def test_only_masks_without_writes_or_random_numbers_are_rebuilt(make_mask, rebu
     assert (_deps(program) == []) is rebuilt, _deps(program)
     torch.manual_seed(0)  # eager draws the same mask
     assert_same_grads(out, rows(pos, V), atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_loops_stay_out_of_cuda_graphs():
+    # The chunk loop runs Python a CUDA graph's replay would skip: Inductor's own check
+    # keeps it out of the graph's recordings, and its chunk programs record none.
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    before = set(chunking._PROGRAMS)
+    pos = lattice(8)
+    V = torch.randn(24, 8, 3, generator=torch.Generator().manual_seed(3))
+    f = compile_dynbatch(hessian_rows, options={"dynbatch.chunk_size": 10, "triton.cudagraphs": True})
+    assert_same_grads(f(pos, V), eager_rows(pos, V), atol=1e-4, rtol=1e-4)
+    (program,) = _new_chunk_programs(before)
+    assert program.compile.keywords["options"]["triton.cudagraphs"] is False
+
+    gm = torch.fx.symbolic_trace(lambda x, v: torch.ops.dynbatch.chunked_grad.default(program.key, [x], [], [], [v]))
+    node = get_first_incompatible_cudagraph_node(gm)
+    assert node is not None and node.target is torch.ops.dynbatch.chunked_grad.default
