@@ -11,11 +11,11 @@
 #       replaces all of it.  Every workload takes about 11 minutes on an H200, so a
 #       full run is two calls on one lease (docs/benchmarks.md, "CUDA results").
 #       Measured 2026-11-28: tests 90 s, ab 77 s, sweep ~100 s, force_training with
-#       its CUDA-graph columns 225 s (it alone overran a 185 s BENCH_TIMEOUT).  With the
-#       machine's start, a lease of 15 minutes holds about 11 minutes of commands, so
-#       the next card's two calls (the rows cuda.json keeps from before recompute first):
-#         PHASES="tests profile bench" PROFILE_TIMEOUT=90 BENCH_TIMEOUT=330 WORKLOADS=full_hessian,lj_forces,hessian
-#         PHASES=bench BENCH_TIMEOUT=300 WORKLOADS=attention,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian
+#       its CUDA-graph columns 225 s (it alone overran a 185 s BENCH_TIMEOUT); 2026-11-30:
+#       tests 60 s, full_hessian,lj_forces,hessian 300 s.  With the machine's start, a lease of
+#       15 minutes holds about 11 minutes of commands.  cuda.json's oldest rows (2026-11-27)
+#       and the missing attention are the next card's call:
+#         PHASES=bench BENCH_TIMEOUT=420 WORKLOADS=attention,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel
 #       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
 #       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
