@@ -16,6 +16,9 @@
 #       15 minutes holds about 11 minutes of commands.  cuda.json's oldest rows (2026-11-27)
 #       and the missing attention are the next card's call:
 #         PHASES=bench BENCH_TIMEOUT=420 WORKLOADS=attention,mlp_jacobian,gelu_vjp,pinn,cnn_jacobian
+#       then, where JAX still leads by 1.5-2x (`full_hessian/lj` N = 500: 8.88 against 4.45 ms),
+#       which kernels cost: PHASES=profile PROFILE_TIMEOUT=150
+#         PROFILE_ARGS="--workloads full_hessian --atoms 500 --variants compiled_func,dynbatch"
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel
 #       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
 #       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
