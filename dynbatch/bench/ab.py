@@ -15,9 +15,12 @@ columns (``--column``, training.py) per setting, each on its own copy of the mod
 Per case, the columns are first called in turn (the first call, compile included;
 peak memory; the difference from the first column's result), then timed
 interleaved (measure.interleaved_times), so a drifting machine slows every column
-alike.  Also per cell: the minor page faults of one steady call (getrusage) and
-the memory plan of the graphs the case compiled (memory.py); at the end, the CPU
-product kernels ``cpu_matmul="auto"`` measured (matmul_kernels.py).
+alike.  Also per cell: the minor page faults of one steady call (getrusage), the
+memory plan of the graphs the case compiled (memory.py) and the cores the timed
+calls kept busy; at the end, the CPU product kernels ``cpu_matmul="auto"``
+measured (matmul_kernels.py).  ``--out FILE.json`` also writes the rows with the
+run's provenance, for ``python -m dynbatch.bench report`` to show as a table
+(part ``ab``, NOTE [Generated blocks] in report.py) instead of figures copied into prose.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import json
 import resource
 import statistics
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,7 +40,7 @@ import torch
 import dynbatch
 from dynbatch import matmul_kernels
 
-from . import cli, measure, training, variants
+from . import cli, measure, runner, training, variants
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("sweep", "mlp_jacobian", "gelu_vjp")
@@ -79,6 +84,9 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--column", choices=training.DYNBATCH_COLUMNS, default="dynbatch_step",
                         help="force_training: the way of compiling the step each setting is timed in "
                              "(default dynbatch_step)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the rows and the run's provenance to this JSON file "
+                             "(python -m dynbatch.bench report shows it as a table: part 'ab')")
     return parser.parse_args(argv)
 
 
@@ -94,35 +102,61 @@ def main(argv=None) -> int:
     shared = dict(args.option)
     columns = {f"{key}={text}": {**shared, key: v} for text, v in values}
     first = next(iter(columns))
+    meta = {**runner.machine_meta(device), "setting": key, "options": {k: repr(v) for k, v in shared.items()},
+            "cold_compile_cache": False, "timing": "interleaved", "budget": vars(cli.budget(args))}
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; every column: "
-          f"options={shared}; medians, ratios over {first}; faults: minor page faults of one call")
-    print("| problem | case | column | median ms | / first | first call s | peak MiB | faults | graphs compiled "
-          "| max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"options={shared}; medians, ratios over {first}; faults: minor page faults of one call; "
+          "cores: CPU time over wall time of the timed calls")
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER), flush=True)
+    rows: list[dict[str, Any]] = []
+
+    def show(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print("| " + " | ".join(text_row(row)) + " |", flush=True)
+
     batched = argparse.Namespace(**{**vars(args), "workloads": [w for w in args.workloads if w in WORKLOADS]})
     for problem in cli.problems(batched):
-        def runner(name, options, problem=problem):
+        def build(name, options, problem=problem):
             return variants.dynbatch_runner(name, problem, options)
 
-        for row in measure_problem(problem, columns, device, cli.budget(args), runner):
-            print("| " + " | ".join(row) + " |", flush=True)
+        for row in measure_problem(problem, columns, device, cli.budget(args), build):
+            show(row)
     for name in (w for w in args.workloads if w in training.WORKLOADS):
         for problem in training.WORKLOADS[name](cli.tier(args), device, args.atoms):
-            def runner(name, options, problem=problem):
+            def build(name, options, problem=problem):
                 return training.build(args.column, problem, device, options, name)
 
-            for row in measure_problem(problem, columns, device, cli.budget(args), runner):
-                print("| " + " | ".join(row) + " |", flush=True)
+            for row in measure_problem(problem, columns, device, cli.budget(args), build):
+                show(row)
     chosen = matmul_kernels.chosen()
     if chosen:
         print("CPU product kernels measured, by (M, K, N).bit_length() and the operands' layouts: "
               + ", ".join(f"{k[:5]} {name}" for k, name in sorted(chosen.items(), key=lambda kv: kv[0][:5])))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "problems": [], "ab": rows}, indent=1, default=str) + "\n")
+        print(f"json: {args.out}")
     return 0
 
 
+HEADER = ("problem", "case", "column", "median ms", "/ first", "first call s", "peak MiB", "faults",
+          "graphs compiled", "max abs diff", "cores")
+
+
+def text_row(row: dict[str, Any]) -> list[str]:
+    """One row of the table, as ``HEADER`` names its cells."""
+    if row["status"] != "ok":
+        return [row["problem"], row["case"], row["column"], row["status"], *[""] * (len(HEADER) - 4)]
+    return [row["problem"], row["case"], row["column"], f"{row['median_s'] * 1e3:.4g}",
+            f"×{row['ratio']:.2f}" if row["ratio"] is not None else "–", f"{row['first_call_s']:.2f}",
+            f"{row['peak_mem_bytes'] / 2 ** 20:.3g}", str(row["faults"]), row["graphs"],
+            "–" if row["max_abs_err"] is None else f"{row['max_abs_err']:.2g}", f"{row['cores_used']:.2f}"]
+
+
 def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.device,
-                    budget: measure.Budget, make_runner: Callable[..., variants.Runner]) -> Iterator[list[str]]:
-    """One row (as text) per case and column; ``make_runner(name, options)`` builds a column."""
+                    budget: measure.Budget, make_runner: Callable[..., variants.Runner]) -> Iterator[dict[str, Any]]:
+    """One row per case and column (``text_row`` shows it); ``make_runner(name, options)`` builds a column."""
     torch._dynamo.reset()  # the columns of the last problem are done with
     sync = measure.synchronizer(device)
     cells: list[dict[str, dict[str, Any]]] = [{} for _ in problem.cases]
@@ -130,12 +164,12 @@ def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.d
     references: list[torch.Tensor | None] = [None] * len(problem.cases)
     for name, options in columns.items():
         dynbatch.reset()  # the compile records from here on are this column's
-        runner = make_runner(name, options)
+        column = make_runner(name, options)
         for i, case in enumerate(problem.cases):
-            call = functools.partial(runner.call, *runner.prepare(case))
+            call = functools.partial(column.call, *column.prepare(case))
             compiled_before = _compiles()
             try:
-                cell, result = measure.measure_cell(call, device, budget, runner.to_torch, references[i],
+                cell, result = measure.measure_cell(call, device, budget, column.to_torch, references[i],
                                                     steady=False)
             except Exception as e:  # noqa: BLE001 - a setting that fails is a result
                 cells[i][name] = {"status": f"crashed: {measure.short_error(e)}"}
@@ -149,16 +183,16 @@ def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.d
     for case, case_cells, case_calls in zip(problem.cases, cells, calls):
         for name, figures in measure.interleaved_times(case_calls, sync, budget).items():
             case_cells[name]["median_s"] = statistics.median(figures["times_s"])
+            case_cells[name]["cores_used"] = figures["cores_used"]
         base = next(iter(case_cells.values())).get("median_s")
         for name in columns:
             cell = case_cells[name]
-            if cell["status"] != "ok":
-                yield [problem.name, case.label, name, cell["status"], "", "", "", "", "", ""]
-                continue
-            yield [problem.name, case.label, name, f"{cell['median_s'] * 1e3:.4g}",
-                   f"×{cell['median_s'] / base:.2f}" if base else "–", f"{cell['first_call_s']:.2f}",
-                   f"{cell['peak_mem_bytes'] / 2 ** 20:.3g}", str(cell["faults"]), cell["graphs"],
-                   "–" if cell["max_abs_err"] is None else f"{cell['max_abs_err']:.2g}"]
+            row = {"problem": problem.name, "case": case.label, "column": name, "status": cell["status"]}
+            if cell["status"] == "ok":
+                row.update({key: cell[key] for key in ("median_s", "first_call_s", "peak_mem_bytes", "faults",
+                                                        "graphs", "max_abs_err", "cores_used")},
+                           ratio=cell["median_s"] / base if base else None)
+            yield row
 
 
 def minor_faults(call: Callable[[], Any], sync: Callable[[], None]) -> int:

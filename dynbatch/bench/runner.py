@@ -382,8 +382,8 @@ def _compile_caches(cold: bool) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _meta(settings: Settings) -> dict[str, Any]:
-    device = settings.device
+def machine_meta(device: torch.device) -> dict[str, Any]:
+    """When, where and with what a run measured: what every results file's provenance reads."""
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -398,6 +398,15 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        # Other processes share the cores: the 1-minute load average says how much.
+        "loadavg_at_start": _loadavg(),
+    }
+
+
+def _meta(settings: Settings) -> dict[str, Any]:
+    device = settings.device
+    return {
+        **machine_meta(device),
         "tier": settings.tier,
         "workloads": list(settings.workloads),
         "variants": list(settings.variants),
@@ -408,8 +417,6 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "budget": dataclasses.asdict(settings.budget),
         "stock_timeout_s": settings.stock_timeout_s,
         "stock_workloads": list(settings.stock_workloads) if settings.stock_workloads is not None else None,
-        # Other processes share the cores: the 1-minute load average says how much.
-        "loadavg_at_start": _loadavg(),
         "cold_compile_cache": settings.cold_compile_cache,
         "timing": "interleaved" if settings.interleave else "sequential",
         "error_reference": settings.reference,
