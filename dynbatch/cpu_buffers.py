@@ -28,7 +28,7 @@ x1.06); measured again with the pool's search cut from every kept buffer to thos
 request's size (16 to 7 us an allocation with 20 kept), from 256 KiB `attention` B = 16
 x1.15, `mlp_jacobian/w128` x1.12, from 2 MiB HVPs of K = 128 x1.05-1.09, while
 `lj_forces` N = 100 alone (its [32, 100, 100, 3] pair tensors, 3.8 MB, from a heap glibc
-trims between calls: 2,000-6,500 faults a call) ran x0.61-0.70.  Memory: a buffer the program freed stays kept for the next call while
+trims between calls: 2,000-6,500 faults a call) ran x0.61-0.74.  Memory: a buffer the program freed stays kept for the next call while
 everything kept stays within SLACK (2) times the most the kept buffers in use ever held
 at once, the largest unused going first beyond it (a call's peak rose 15-50 % where
 buffers are kept); a buffer still in use FORGET_AFTER large allocations after it was
