@@ -24,11 +24,12 @@ a call, B symbolic) took x1.05-1.10.  One core of the Xeon,
 `full_hessian/pair_mlp` N = 64-128 x0.76-0.83; where glibc's heap already served the
 buffers without faults x0.98-1.03.  Buffers under MIN_BYTES (4 MiB) stay torch's: from
 1 MiB, programs whose buffers the heap served paid the kept path (`attention` B = 64
-x1.06); measured again with the pool's search cut from every kept buffer to those of the
-request's size (16 to 7 us an allocation with 20 kept), from 256 KiB `attention` B = 16
-x1.15, `mlp_jacobian/w128` x1.12, from 2 MiB HVPs of K = 128 x1.05-1.09, while
-`lj_forces` N = 100 alone (its [32, 100, 100, 3] pair tensors, 3.8 MB, from a heap glibc
-trims between calls: 2,000-6,500 faults a call) ran x0.61-0.74.  Memory: a buffer the program freed stays kept for the next call while
+x1.06).  Measured again once a request asked only the kept buffers of its size (15 to 6 us
+an allocation with 20 kept), each workload's column alone on one Xeon core: from 1 MiB,
+`lj_forces` N = 100 (its [32, 100, 100, 3] pair tensors, 3.8 MB, from a heap glibc trims
+between calls: 2,000-6,500 faults a call) ran x0.55-0.57, but `sweep` B = 256 x1.04-1.07,
+HVPs of K = 128 x1.03-1.05, `gelu_vjp` B = 16 x1.02-1.04 (from 256 KiB up to x1.15): one
+workload's gain against small losses on many, so the floor stays.  Memory: a buffer the program freed stays kept for the next call while
 everything kept stays within SLACK (2) times the most the kept buffers in use ever held
 at once, the largest unused going first beyond it (a call's peak rose 15-50 % where
 buffers are kept); a buffer still in use FORGET_AFTER large allocations after it was
@@ -88,6 +89,7 @@ class _Kept:
 _kept: list[_Kept] = []
 _peak_in_use = 0  # the most the kept buffers in use held at once, over the process
 _allocations = 0  # large allocations so far
+_next_forget = 0  # the allocation at which buffers in use too long are next forgotten
 
 
 def _storage_bytes(size: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
@@ -118,13 +120,14 @@ def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype
 def _take(nbytes: int) -> torch.Tensor | None:
     """The smallest kept buffer no tensor uses that holds ``nbytes`` without much waste;
     else a new one, kept if the bound allows (None where it does not).  Under ``_lock``."""
-    global _kept, _peak_in_use, _allocations
+    global _kept, _peak_in_use, _allocations, _next_forget
     _allocations += 1
-    # A buffer is asked whether a tensor still uses it only where the answer matters: one
-    # handed out long ago (forgotten if still in use), the few of the requested size
-    # (``_kept`` is sorted by size); all of them only where a buffer is made.
-    if any(_allocations - k.taken > FORGET_AFTER for k in _kept):
+    # A buffer is asked whether a tensor still uses it only where the answer matters: the
+    # few of the requested size (``_kept`` is sorted by size); every one only where a
+    # buffer is made, and every FORGET_AFTER / 4 allocations, to forget those in use too long.
+    if _allocations >= _next_forget:
         _kept = [k for k in _kept if _allocations - k.taken <= FORGET_AFTER or k.unused()]
+        _next_forget = _allocations + max(1, FORGET_AFTER // 4)
     start = bisect.bisect_left(_kept, nbytes, key=_Kept.nbytes)
     for k in itertools.takewhile(lambda k: MIN_FILL * k.nbytes() <= nbytes, itertools.islice(_kept, start, None)):
         if k.unused():
@@ -156,10 +159,10 @@ def kept_bytes() -> int:
 
 def release() -> None:
     """Stop keeping every buffer (those in use live on with their tensors)."""
-    global _peak_in_use
+    global _peak_in_use, _next_forget
     with _lock:
         _kept.clear()
-        _peak_in_use = 0
+        _peak_in_use = _next_forget = 0
 
 
 def install(compiled: Any) -> bool:
