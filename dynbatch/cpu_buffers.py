@@ -29,10 +29,12 @@ an allocation with 20 kept), each workload's column alone on one Xeon core: from
 `lj_forces` N = 100 (its [32, 100, 100, 3] pair tensors, 3.8 MB, from a heap glibc trims
 between calls: 2,000-6,500 faults a call) ran x0.55-0.57, but `sweep` B = 256 x1.04-1.07,
 HVPs of K = 128 x1.03-1.05, `gelu_vjp` B = 16 x1.02-1.04 (from 256 KiB up to x1.15): one
-workload's gain against small losses on many, so the floor stays.  Memory: a buffer the program freed stays kept for the next call while
-everything kept stays within SLACK (2) times the most the kept buffers in use ever held
-at once, the largest unused going first beyond it (a call's peak rose 15-50 % where
-buffers are kept); a buffer still in use FORGET_AFTER large allocations after it was
+workload's gain against small losses on many, so the floor stays 4 MiB for every program
+and falls to 128 KiB only for one whose calls fault (NOTE [Programs that fault]).
+Memory: a buffer the program freed stays kept for the next call while everything kept
+stays within SLACK (2) times the most the kept buffers in use ever held at once, the
+largest unused going first beyond it (a call's peak rose 15-50 % where buffers are
+kept); a buffer still in use FORGET_AFTER large allocations after it was
 handed out is the caller's (outputs kept in a list) and is no longer kept; all of it
 stays within MAX_KEPT_BYTES, beyond which a buffer is torch's own, used once.
 ``release()`` frees what is kept, and ``dynbatch.keep_cpu_buffers=False`` compiles
@@ -49,15 +51,38 @@ import dataclasses
 import functools
 import itertools
 import threading
+import time
 import types
 from typing import Any, Sequence
 
 import torch
 
 from . import _compat
+from .records import STATS
 
-# Buffers from this size on are kept (smaller ones glibc's heap serves without faults).
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
+
+# Buffers from this size on are kept (smaller ones glibc's heap mostly serves without faults).
 MIN_BYTES = 4 << 20
+# ... and from this size on in a program whose calls fault (NOTE [Programs that fault]):
+# glibc's default mmap threshold, below which its heap serves a request.
+LOW_BYTES = 128 << 10
+# A program whose probed calls fault this many pages in (1 MiB; their median) takes
+# LOW_BYTES, if that ends the faults and makes its calls FASTER (their median time).
+FAULTS_TO_LOWER = 256
+FASTER = 0.97
+# Every second call from FIRST_PROBED (the first ones grow the heap) counts its faults and
+# time, until the median of PROBES of them reaches FAULTS_TO_LOWER or PROBED_CALLS calls
+# have run; after a fall, PROBES calls in a row once SETTLE calls have allocated the
+# buffers they then keep.  (The count costs: probing every second of the first 256
+# calls read x1.01-1.02 over 200 calls of programs that never fault.)
+FIRST_PROBED = 8
+PROBES = 4
+SETTLE = 2
+PROBED_CALLS = 64
 # What the kept buffers may hold in all, free or in use (a buffer beyond it is not kept).
 MAX_KEPT_BYTES = 2 << 30
 # A kept buffer serves a request of at least this share of its size (no large waste).
@@ -117,6 +142,16 @@ def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype
     return _torch_empty_strided(size, stride, dtype)
 
 
+def kept_empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``empty_strided`` for a site whose size the generated code already compared with
+    its program's floor (``routed_function``): kept whatever its size."""
+    with _lock:
+        buffer = _take(_storage_bytes(size, stride, dtype.itemsize))
+        if buffer is not None:
+            return buffer.view(dtype).as_strided(size, stride)
+    return _torch_empty_strided(size, stride, dtype)
+
+
 def _take(nbytes: int) -> torch.Tensor | None:
     """The smallest kept buffer no tensor uses that holds ``nbytes`` without much waste;
     else a new one, kept if the bound allows (None where it does not).  Under ``_lock``."""
@@ -165,32 +200,128 @@ def release() -> None:
         _peak_in_use = _next_forget = 0
 
 
-def install(compiled: Any) -> bool:
+def install(compiled: Any, adapt: bool = True) -> bool:
     """Route a compiled Inductor program's allocations that may be large here, each site
     decided apart (``routed_function``); False where none may be (or its wrapper is C++:
-    then it allocates as before).  Raises where its generated code is not as expected."""
+    then it allocates as before).  ``adapt``: its floor falls to LOW_BYTES where its calls
+    fault (NOTE [Programs that fault]); else it stays MIN_BYTES.  Raises where its
+    generated code is not as expected."""
     call = _compat.inductor_wrapper_function(compiled)
-    if call is None or "empty_strided_cpu" not in call.__globals__:
+    if call is None or _ALLOCATE not in call.__globals__:
         return False
     with open(call.__code__.co_filename) as f:
-        routed = routed_function(f.read(), call.__code__)
-    if routed is None:
+        source = f.read()
+    adapt = adapt and _THIS_THREAD is not None
+    plain = routed_function(source, call.__code__, LOW_BYTES if adapt else MIN_BYTES)
+    if plain is None:
         return False
-    call.__globals__[_KEPT] = empty_strided
-    call.__code__ = routed  # the same function object: every reference to it sees the change
+    namespace = call.__globals__
+    namespace.update({_KEPT: empty_strided, _KEPT_COMPARED: kept_empty_strided, _FLOOR: MIN_BYTES})
+    if adapt:
+        namespace[_WATCH] = _Watch(call, plain)
+        call.__code__ = routed_function(source, call.__code__, LOW_BYTES, probed=True)
+    else:
+        call.__code__ = plain  # the same function object: every reference to it sees the change
     return True
 
 
-_KEPT = "_dynbatch_empty_strided"  # the name routed sites call, bound in the wrapper's module
+_KEPT = "_dynbatch_empty_strided"  # the names routed sites call and compare with, bound in the wrapper's module
+_KEPT_COMPARED = "_dynbatch_kept_empty_strided"
+_FLOOR = "_dynbatch_floor"
+_WATCH, _PROBE = "_dynbatch_watch", "_dynbatch_probe"
 _ALLOCATE = "empty_strided_cpu"  # Inductor's
+FLOOR_LOWERED = "cpu_buffers_from_128KiB"  # dynbatch.counters(): programs whose floor fell
 
 
-def routed_function(source: str, code: types.CodeType) -> types.CodeType | None:
+# NOTE [Programs that fault]
+# Whether glibc's heap serves a buffer under MIN_BYTES without faults depends on the
+# process: on its dynamic mmap threshold, which an earlier large free raised or not, and
+# on what it trims from the top of the heap between calls.  `full_hessian/pair_mlp` N = 32
+# (3 MiB [96, 32, 32, 8] features) faulted 870-1,500 pages a call and took 4.0-4.8 ms where
+# the same program kept from 128 KiB took 2.9 (no faults); `lj_forces` N = 100 (3.8 MB
+# pair tensors) faulted 250-6,500 a call depending on what ran before it.  Keeping every
+# buffer from 128 KiB costs the programs the heap serves well (the pool's check in Python
+# per allocation, buffers no longer the heap's just-freed ones): `sweep` B = 256 x1.04-1.07.
+# The regime can start after a few calls: pair_mlp N = 32 faulted 0-9 pages at calls 2-3,
+# 384-1,216 at calls 4-11 and 1,504 at every call from 19 on.  So each program measures:
+# every second call from its eighth counts the thread's minor faults (getrusage) and its
+# time; where the upper median of four such calls faults FAULTS_TO_LOWER pages, its floor falls
+# to LOW_BYTES, and after two calls that allocate the buffers then kept, four calls in a
+# row must fault at most half as much and run FASTER (upper medians) for the floor to stay
+# there: faults that fell for another reason leave nothing slower behind.  Then, or
+# after PROBED_CALLS calls without faults, the program's code is swapped for one without
+# the count.  A dynamic program decides at the sizes of its first calls, and a program
+# whose faults start after its 64th call keeps the 4 MiB floor.
+
+class _Watch:
+    """The faults and times of a program's calls, and its floor (NOTE [Programs that fault])."""
+
+    def __init__(self, call: types.FunctionType, plain: types.CodeType) -> None:
+        self.call, self.plain = call, plain
+        self.calls = 0
+        self.probes: list[tuple[int, float]] = []  # the latest (faults, seconds) at the present floor
+        self.lowered_at: int | None = None  # the call after which the floor fell
+        self.at_min_bytes = (0, 0.0)  # the medians before it fell
+
+    def begin(self) -> tuple[int, float] | None:
+        """The thread's faults so far and the time where this call is probed, else None."""
+        self.calls += 1
+        if self.lowered_at is not None:
+            probed = self.calls > self.lowered_at + SETTLE
+        elif self.calls >= PROBED_CALLS:
+            self._decide(MIN_BYTES)
+            probed = False
+        else:
+            probed = self.calls >= FIRST_PROBED and self.calls % 2 == 0
+        return (_minor_faults(), _seconds()) if probed else None
+
+    def end(self, start: tuple[int, float] | None) -> None:
+        if start is None:
+            return
+        probe = (_minor_faults() - start[0], _seconds() - start[1])
+        with _lock:
+            if self.call.__code__ is self.plain:  # another thread decided
+                return
+            self.probes.append(probe)
+            if len(self.probes) < PROBES:
+                return
+            faults, seconds = (sorted(p[i] for p in self.probes)[PROBES // 2] for i in (0, 1))
+            self.probes = []
+            if self.lowered_at is None:
+                if faults >= FAULTS_TO_LOWER:
+                    self.at_min_bytes, self.lowered_at = (faults, seconds), self.calls
+                    self.call.__globals__[_FLOOR] = LOW_BYTES
+                return
+            # The floor stays low only where that took the faults away and made calls faster.
+            helped = 2 * faults <= self.at_min_bytes[0] and seconds <= FASTER * self.at_min_bytes[1]
+            self._decide(LOW_BYTES if helped else MIN_BYTES)
+
+    def _decide(self, floor: int) -> None:
+        if floor < MIN_BYTES:
+            STATS.count(FLOOR_LOWERED)
+        self.call.__globals__[_FLOOR] = floor
+        self.call.__code__ = self.plain  # the calls from now on count nothing
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(_THIS_THREAD).ru_minflt
+
+
+_seconds = time.perf_counter
+
+
+# The calling thread's faults alone (Linux); elsewhere programs keep MIN_BYTES.
+_THIS_THREAD = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+
+
+def routed_function(source: str, code: types.CodeType, lowest: int = MIN_BYTES,
+                    probed: bool = False) -> types.CodeType | None:
     """``code``'s function, compiled again from the generated ``source`` with each of its
-    allocations that may be large calling the pool: one of a known size from MIN_BYTES,
-    one of a symbolic size where its sizes at the call reach it (a comparison in the
-    generated code: a dynamic program's small buffers pay nothing).  None where no
-    allocation may be large."""
+    allocations that may be large calling the pool: one of a known size from MIN_BYTES;
+    one whose size may reach ``lowest`` (from LOW_BYTES: NOTE [Programs that fault]) where
+    it reaches the floor bound in the module (a comparison in the generated code: a
+    dynamic program's small buffers pay nothing).  ``probed``: the body also counts the
+    call's faults for the module's ``_Watch``.  None where no allocation may be large."""
     tree = ast.parse(source, code.co_filename)
     path = _definition(tree, code)
     if path is None:
@@ -198,16 +329,30 @@ def routed_function(source: str, code: types.CodeType) -> types.CodeType | None:
     *classes, function = path
     if _allocation_sites(tree) != _allocation_sites(function):
         raise LookupError(f"{code.co_filename} allocates outside {code.co_name}")
-    router = _RouteAllocations()
+    router = _RouteAllocations(lowest)
     function = router.visit(copy.deepcopy(function))
     if not router.routed:
         return None
+    if probed:
+        function.body = _probed(function.body)
     for cls in reversed(classes):  # nested as it was: the same qualified name, the same cells
         cls = copy.copy(cls)
         cls.body, cls.bases, cls.keywords, cls.decorator_list = [function], [], [], []
         function = cls
     module = compile(ast.fix_missing_locations(ast.Module([function], [])), code.co_filename, "exec")
     return _code_named(module, code.co_name, code.co_firstlineno)
+
+
+def _probed(body: list[ast.stmt]) -> list[ast.stmt]:
+    """``body`` between ``_dynbatch_probe = _dynbatch_watch.begin()`` and, however it
+    ends, ``_dynbatch_watch.end(_dynbatch_probe)``."""
+    begin, end = (ast.parse(f"{_PROBE} = {_WATCH}.begin()").body,
+                  ast.parse(f"{_WATCH}.end({_PROBE})").body)
+    for node in begin + end:
+        ast.copy_location(node, body[0])
+        for child in ast.walk(node):
+            ast.copy_location(child, body[0])
+    return [*begin, ast.copy_location(ast.Try(body, [], [], end), body[0])]
 
 
 def _definition(tree: ast.Module, code: types.CodeType) -> list[ast.AST] | None:
@@ -240,30 +385,35 @@ def _code_named(code: types.CodeType, name: str, line: int) -> types.CodeType | 
 
 class _RouteAllocations(ast.NodeTransformer):
     """``empty_strided_cpu(size, stride, dtype)`` -> the pool's call where it is large
-    (a known size), ``(pool if s0 * s1 >= n else empty_strided_cpu)(...)`` where its size is
-    symbolic, unchanged where it is known and small."""
+    (a known size from MIN_BYTES), ``(pool if s0 * s1 * 4 >= floor else empty_strided_cpu)(...)``
+    where its size may reach ``lowest`` (a known one, or symbolic), unchanged where it
+    is known and under ``lowest``."""
 
-    def __init__(self) -> None:
+    def __init__(self, lowest: int) -> None:
+        self.lowest = lowest
         self.routed = 0
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
         if not (isinstance(node.func, ast.Name) and node.func.id == _ALLOCATE):
             return node
-        large = _large_when(node)
+        large = _large_when(node, self.lowest)
         if large is False:
             return node
         self.routed += 1
-        kept = ast.copy_location(ast.Name(_KEPT, ast.Load()), node.func)
-        if large is not True:
-            kept = ast.copy_location(ast.IfExp(large, kept, node.func), node.func)
+        if large is True:
+            kept = ast.copy_location(ast.Name(_KEPT, ast.Load()), node.func)
+        else:
+            kept = ast.IfExp(large, ast.Name(_KEPT_COMPARED, ast.Load()), node.func)
+            kept = ast.copy_location(kept, node.func)
         return ast.copy_location(ast.Call(kept, node.args, node.keywords), node)
 
 
-def _large_when(node: ast.Call) -> bool | ast.expr:
-    """Whether an allocation holds MIN_BYTES: True, False, or the test of its symbolic sizes
-    (their product, the static ones folded).  An allocation not written as Inductor writes
-    them goes to the pool, which checks."""
+def _large_when(node: ast.Call, lowest: int) -> bool | ast.expr:
+    """Whether an allocation is kept: True (a known size from MIN_BYTES, or one not
+    written as Inductor writes them: the pool checks), False (a known size under
+    ``lowest``), or the test of its bytes against the module's floor (a known size
+    between the two, or a symbolic one: their product, the static sizes folded)."""
     if len(node.args) != 3 or node.keywords or not isinstance(node.args[0], ast.Tuple):
         return True
     dtype = node.args[2]
@@ -277,6 +427,7 @@ def _large_when(node: ast.Call) -> bool | ast.expr:
         else:
             symbolic.append(copy.deepcopy(size))
     if not symbolic or known == 0:
-        return known >= MIN_BYTES
-    product = functools.reduce(lambda a, b: ast.BinOp(a, ast.Mult(), b), symbolic)
-    return ast.Compare(product, [ast.GtE()], [ast.Constant(-(-MIN_BYTES // known))])
+        if known >= MIN_BYTES or known < lowest:
+            return known >= MIN_BYTES
+    product = functools.reduce(lambda a, b: ast.BinOp(a, ast.Mult(), b), symbolic, ast.Constant(known))
+    return ast.Compare(product, [ast.GtE()], [ast.Name(_FLOOR, ast.Load())])

@@ -157,7 +157,7 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
             compiled = inner(aten_gm, aten_inputs, **kwargs)
         if options.keep_cpu_buffers:
             try:  # NOTE [Reused CPU buffers] in cpu_buffers.py
-                cpu_buffers.install(compiled)
+                cpu_buffers.install(compiled, adapt=options.keep_cpu_buffers is True)
             except Exception as e:  # noqa: BLE001 - the generated code moved: it allocates as before
                 fail_soft.hook_failed("keeping a compiled program's large CPU buffers", e)
         return compiled

@@ -17,6 +17,7 @@ PREFIX = "dynbatch."
 INNER_COMPILERS = ("inductor", "aot_eager")
 ON_UNSUPPORTED = ("fallback", "error")
 RECOMPUTE = ("auto", "always", "never")
+KEEP_CPU_BUFFERS = (True, "large", False)
 
 
 
@@ -51,8 +52,10 @@ class Options:
     # device), "never".
     recompute: str = "auto"
     # Keep the large CPU buffers of the compiled programs between calls, so a call does
-    # not fault fresh pages in (cpu_buffers.py, NOTE [Reused CPU buffers]).
-    keep_cpu_buffers: bool = True
+    # not fault fresh pages in (cpu_buffers.py, NOTE [Reused CPU buffers]): True (from
+    # 4 MiB, and from 128 KiB in a program whose first calls fault: NOTE [Programs that
+    # fault]), "large" (from 4 MiB only), False.
+    keep_cpu_buffers: bool | str = True
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -77,7 +80,11 @@ class Options:
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
         _check_choice("cpu_matmul", ours.get("cpu_matmul", "auto"), CPU_MATMUL)
         _check_choice("recompute", ours.get("recompute", "auto"), RECOMPUTE)
-        for flag in ("record_graphs", "verify", "keep_cpu_buffers"):
+        keep = ours.get("keep_cpu_buffers", True)
+        if not (isinstance(keep, bool) or keep == "large"):
+            raise ValueError(f"dynbatch: option {PREFIX}keep_cpu_buffers={ours['keep_cpu_buffers']!r}; "
+                             f"choose one of {list(KEEP_CPU_BUFFERS)}")
+        for flag in ("record_graphs", "verify"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:

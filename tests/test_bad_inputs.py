@@ -413,6 +413,14 @@ def test_unknown_dynbatch_option_lists_known_ones():
         Options.from_compile_args(None, {"dynbatch.inner_compilr": "aot_eager"})
 
 
+@pytest.mark.parametrize("value", ["largest", 1, None])
+def test_keep_cpu_buffers_takes_a_bool_or_large(value):
+    for good in (True, "large", False):
+        assert Options.from_compile_args(None, {"dynbatch.keep_cpu_buffers": good}).keep_cpu_buffers == good
+    with pytest.raises(ValueError, match=r"keep_cpu_buffers=.*choose one of \[True, 'large', False\]"):
+        Options.from_compile_args(None, {"dynbatch.keep_cpu_buffers": value})
+
+
 def test_unknown_option_at_compile_time_raises():
     # The user's torch.compile(options=...), not compile_dynbatch: the options as given reach dynbatch.
     compiled = torch.compile(p_batched, backend="dynbatch", options={"dynbatch.nope": 1})

@@ -3,6 +3,10 @@ handed out again only once no tensor uses them, and never changing a value."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -202,7 +206,9 @@ def test_each_allocation_site_takes_the_pool_only_where_its_size_can_be_large(tm
     namespace["empty_strided_cpu"] = lambda size, stride, dtype: calls.append(("torch", size))
     code = cpu_buffers.routed_function(WRAPPER, namespace["call"].__code__)
     namespace["call"].__func__.__code__ = code  # as install does
-    namespace[cpu_buffers._KEPT] = lambda size, stride, dtype: calls.append(("pool", size))
+    for name in (cpu_buffers._KEPT, cpu_buffers._KEPT_COMPARED):
+        namespace[name] = lambda size, stride, dtype: calls.append(("pool", size))
+    namespace[cpu_buffers._FLOOR] = cpu_buffers.MIN_BYTES
     namespace["call"]((None, s33))
     assert [who == "pool" for who, _ in calls] == pooled
     assert code.co_qualname == "Runner.call"
@@ -227,8 +233,9 @@ def test_an_allocation_outside_the_call_is_not_routed_silently(tmp_path):
 
 def test_a_dynamic_programs_small_calls_never_reach_the_pool(monkeypatch):
     pooled = []
-    pool = cpu_buffers.empty_strided
-    monkeypatch.setattr(cpu_buffers, "empty_strided", lambda *a: pooled.append(a[0]) or pool(*a))
+    for name in ("empty_strided", "kept_empty_strided"):  # bound in the wrapper's module at install
+        pool = getattr(cpu_buffers, name)
+        monkeypatch.setattr(cpu_buffers, name, lambda *a, pool=pool: pooled.append(a[0]) or pool(*a))
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen) / 8
     # aten's products: every buffer is the generated code's (dynbatch's own products take a
@@ -243,3 +250,137 @@ def test_a_dynamic_programs_small_calls_never_reach_the_pool(monkeypatch):
         assert bool(pooled) == (batch == 512), pooled  # 8 MiB buffers at B = 512 only
     assert cpu_buffers.kept_bytes() > 0
     assert_backend_ran(graphs=2)
+
+
+def _faulting_wrapper(tmp_path, monkeypatch, cost):
+    """The generated wrapper installed as ``install`` does, allocating into a list, each
+    call costing ``cost(call, floor)`` = (faults, seconds), as the counts read around it say."""
+    namespace = _wrapper(tmp_path)
+    calls = []
+    namespace["empty_strided_cpu"] = lambda size, stride, dtype: calls.append(("torch", size))
+    call = namespace["call"].__func__
+    plain = cpu_buffers.routed_function(WRAPPER, call.__code__, cpu_buffers.LOW_BYTES)
+    for name in (cpu_buffers._KEPT, cpu_buffers._KEPT_COMPARED):
+        namespace[name] = lambda size, stride, dtype: calls.append(("pool", size))
+    namespace[cpu_buffers._FLOOR] = cpu_buffers.MIN_BYTES
+    watch = namespace[cpu_buffers._WATCH] = cpu_buffers._Watch(call, plain)
+    call.__code__ = cpu_buffers.routed_function(WRAPPER, call.__code__, cpu_buffers.LOW_BYTES, probed=True)
+    totals, last_read = [0, 0.0], [None, None]
+
+    def counter(i):
+        def read_total():  # read twice a probed call, before it and after it: the call's cost between
+            if last_read[i] == watch.calls:
+                totals[i] += cost(watch.calls, namespace[cpu_buffers._FLOOR])[i]
+            last_read[i] = watch.calls
+            return totals[i]
+        return read_total
+
+    monkeypatch.setattr(cpu_buffers, "_minor_faults", counter(0))
+    monkeypatch.setattr(cpu_buffers, "_seconds", counter(1))
+    return namespace, watch, calls
+
+
+def _run(namespace, calls, n, s33=20):
+    """``n`` calls; the last one's allocations, pool or torch, in order."""
+    for _ in range(n):
+        calls.clear()
+        namespace["call"]((None, s33))
+    return [who for who, _ in calls]
+
+
+MIN, LOW = cpu_buffers.MIN_BYTES, cpu_buffers.LOW_BYTES
+# s33 = 20: the [20, 100, 100, 1] float32 buffer is 781 KiB, kept only from a lowered floor
+KEPT_FROM_4_MIB, KEPT_FROM_128_KIB = ["torch", "pool", "torch", "torch", "torch"], ["torch", "pool", "pool", "torch", "torch"]
+
+
+def test_a_program_whose_calls_fault_keeps_its_buffers_from_128_kib(tmp_path, monkeypatch):
+    # From call 5 the heap faults the buffers in (slower calls) unless they are kept.
+    namespace, watch, calls = _faulting_wrapper(
+        tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call >= 5 and floor == MIN else (3, 3e-3))
+    before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
+    assert _run(namespace, calls, 13) == KEPT_FROM_4_MIB
+    assert namespace[cpu_buffers._FLOOR] == MIN  # probes at calls 8, 10, 12: not four yet
+    _run(namespace, calls, 1)  # call 14: the fourth
+    assert namespace[cpu_buffers._FLOOR] == LOW
+    assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB  # it allocates them
+    _run(namespace, calls, 4)  # 16 settles too; 17-19 probed
+    assert namespace["call"].__func__.__code__ is not watch.plain  # still measuring
+    assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB
+    assert namespace["call"].__func__.__code__ is watch.plain  # decided: the calls count nothing more
+    assert namespace[cpu_buffers._FLOOR] == LOW
+    assert dynbatch.counters()[cpu_buffers.FLOOR_LOWERED] == before + 1
+
+
+@pytest.mark.parametrize("at_low", [(900, 5e-3), (3, 5e-3)], ids=["faults stay", "no faster"])
+def test_a_floor_that_does_not_end_the_faults_and_speed_calls_up_goes_back_up(tmp_path, monkeypatch, at_low):
+    namespace, watch, calls = _faulting_wrapper(
+        tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if floor == MIN else at_low)
+    _run(namespace, calls, 14)
+    assert namespace[cpu_buffers._FLOOR] == LOW
+    assert _run(namespace, calls, 6) == KEPT_FROM_128_KIB  # 15, 16 allocate, 17-20 probed
+    assert namespace["call"].__func__.__code__ is watch.plain
+    assert namespace[cpu_buffers._FLOOR] == MIN
+    assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
+
+
+@pytest.mark.parametrize("faults", [0, cpu_buffers.FAULTS_TO_LOWER - 1])
+def test_a_program_that_faults_little_keeps_only_large_buffers(tmp_path, monkeypatch, faults):
+    namespace, watch, calls = _faulting_wrapper(tmp_path, monkeypatch, lambda call, floor: (faults, 1e-3))
+    _run(namespace, calls, cpu_buffers.PROBED_CALLS - 1)
+    assert namespace["call"].__func__.__code__ is not watch.plain
+    assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
+    assert namespace["call"].__func__.__code__ is watch.plain
+    assert namespace[cpu_buffers._FLOOR] == MIN
+
+
+_FAULTING_PROCESS = """
+import json, resource
+import torch
+import dynbatch
+
+def rows(x, w, v):  # [512, 32, 32] grads: buffers of 2 MiB, under MIN_BYTES
+    x = x.detach().requires_grad_()
+    y = torch.tanh(x @ w) * torch.sigmoid(x @ w)
+    return torch.autograd.grad(y, x, v, is_grads_batched=True)[0]
+
+def rows_large(x, w, v):  # the same, a code object of its own: a program of its own
+    return rows(x, w, v)
+
+gen = torch.Generator().manual_seed(0)
+x, w = torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen) / 8
+v = torch.randn(512, 32, 32, generator=gen)
+x_ = x.detach().requires_grad_()
+y = torch.tanh(x_ @ w) * torch.sigmoid(x_ @ w)
+loop = torch.stack([torch.autograd.grad(y, x_, g, retain_graph=True)[0] for g in v])
+result = {}
+for keep, fn in [(True, rows), ("large", rows_large)]:
+    f = torch.compile(fn, backend="dynbatch", fullgraph=True, dynamic=False,
+                      options={"dynbatch.keep_cpu_buffers": keep})
+    for _ in range(40):
+        out = f(x, w, v)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(10):
+        out = f(x, w, v)
+    faults = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / 10
+    result[str(keep)] = {"faults": faults, "error": (out - loop).abs().max().item(), "counters": dynbatch.counters()}
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="faults are counted per thread on Linux")
+def test_a_program_that_faults_in_a_real_process_stops_faulting(tmp_path):
+    # glibc maps every allocation from 128 KiB afresh (its threshold fixed, not raised by
+    # frees) and unmaps it when freed: each call's 2 MiB buffers fault in, unless kept.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10), "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = subprocess.run([sys.executable, "-c", _FAULTING_PROCESS], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    adapted, large = result["True"], result["large"]
+    assert adapted["error"] < 1e-4 and large["error"] < 1e-4
+    assert adapted["counters"]["graphs_batched"] == 1 and large["counters"]["graphs_batched"] == 2  # the backend ran
+    assert adapted["counters"].get(cpu_buffers.FLOOR_LOWERED) == 1
+    assert large["counters"].get(cpu_buffers.FLOOR_LOWERED) == 1  # the first program's alone
+    assert adapted["faults"] < cpu_buffers.FAULTS_TO_LOWER / 4
+    assert large["faults"] >= cpu_buffers.FAULTS_TO_LOWER  # the faults the lower floor takes away
