@@ -70,18 +70,15 @@ MIN_BYTES = 4 << 20
 # ... and from this size on in a program whose calls fault (NOTE [Programs that fault]):
 # glibc's default mmap threshold, below which its heap serves a request.
 LOW_BYTES = 128 << 10
-# A program whose probed calls fault this many pages in (1 MiB; their median) takes
-# LOW_BYTES, if that ends the faults and makes its calls FASTER (their median time).
+# A program whose counted calls fault this many pages in (1 MiB) is tried at LOW_BYTES:
+# the floor stays there if that ends the faults and makes its calls FASTER.
 FAULTS_TO_LOWER = 256
 FASTER = 0.97
-# Every second call from FIRST_PROBED (the first ones grow the heap) counts its faults and
-# time, until the median of PROBES of them reaches FAULTS_TO_LOWER or PROBED_CALLS calls
-# have run; after a fall, PROBES calls in a row once SETTLE calls have allocated the
-# buffers they then keep.  (The count costs: probing every second of the first 256
-# calls read x1.01-1.02 over 200 calls of programs that never fault.)
+# Every second call from FIRST_PROBED (the first ones grow the heap) counts its faults,
+# until PROBES in a row fault FAULTS_TO_LOWER pages or PROBED_CALLS calls have run; then
+# the next calls take the two floors in turn, PROBES at each counted after one at each.
 FIRST_PROBED = 8
 PROBES = 4
-SETTLE = 2
 PROBED_CALLS = 64
 # What the kept buffers may hold in all, free or in use (a buffer beyond it is not kept).
 MAX_KEPT_BYTES = 2 << 30
@@ -243,15 +240,17 @@ FLOOR_LOWERED = "cpu_buffers_from_128KiB"  # dynbatch.counters(): programs whose
 # buffer from 128 KiB costs the programs the heap serves well (the pool's check in Python
 # per allocation, buffers no longer the heap's just-freed ones): `sweep` B = 256 x1.04-1.07.
 # The regime can start after a few calls: pair_mlp N = 32 faulted 0-9 pages at calls 2-3,
-# 384-1,216 at calls 4-11 and 1,504 at every call from 19 on.  So each program measures:
-# every second call from its eighth counts the thread's minor faults (getrusage) and its
-# time; where the upper median of four such calls faults FAULTS_TO_LOWER pages, its floor falls
-# to LOW_BYTES, and after two calls that allocate the buffers then kept, four calls in a
-# row must fault at most half as much and run FASTER (upper medians) for the floor to stay
-# there: faults that fell for another reason leave nothing slower behind.  Then, or
-# after PROBED_CALLS calls without faults, the program's code is swapped for one without
-# the count.  A dynamic program decides at the sizes of its first calls, and a program
-# whose faults start after its 64th call keeps the 4 MiB floor.
+# 384-1,216 at calls 4-11 and 1,504 at every call from 19 on.  And a program's early calls
+# get faster anyway (caches, the heap settling): a floor tried after them looked better
+# than it was (`pinn/laplacian`, lowered so in one of two runs, ran x1.10).  So each program measures: every
+# second call from its eighth counts the thread's minor faults (getrusage); where four
+# in a row fault FAULTS_TO_LOWER pages, its next calls take the two floors in turn, as the
+# benchmark interleaves its columns, each call counting its faults and time, and after
+# four of each (not the first at each, which allocates) the floor stays LOW_BYTES only
+# where that faulted at most half as much and ran FASTER (upper medians).  Then, or after
+# PROBED_CALLS calls without faults, the program's code is swapped for one without the
+# count.  A dynamic program decides at the sizes of its first calls, and a program whose
+# faults start after its 64th call keeps the 4 MiB floor.
 
 class _Watch:
     """The faults and times of a program's calls, and its floor (NOTE [Programs that fault])."""
@@ -259,21 +258,24 @@ class _Watch:
     def __init__(self, call: types.FunctionType, plain: types.CodeType) -> None:
         self.call, self.plain = call, plain
         self.calls = 0
-        self.probes: list[tuple[int, float]] = []  # the latest (faults, seconds) at the present floor
-        self.lowered_at: int | None = None  # the call after which the floor fell
-        self.at_min_bytes = (0, 0.0)  # the medians before it fell
+        self.faulting = 0  # counted calls in a row that faulted FAULTS_TO_LOWER pages
+        self.trial_from: int | None = None  # the first call of the trial of the floors
+        self.trial: dict[int, list[tuple[int, float]]] = {LOW_BYTES: [], MIN_BYTES: []}
 
     def begin(self) -> tuple[int, float] | None:
-        """The thread's faults so far and the time where this call is probed, else None."""
+        """The thread's faults so far and the time where this call is counted, else None;
+        in the trial, the floor of this call."""
         self.calls += 1
-        if self.lowered_at is not None:
-            probed = self.calls > self.lowered_at + SETTLE
+        if self.trial_from is not None:
+            turn = self.calls - self.trial_from
+            self.call.__globals__[_FLOOR] = LOW_BYTES if turn % 2 == 0 else MIN_BYTES
+            counted = turn >= 2  # the first call at each floor allocates what it then keeps
         elif self.calls >= PROBED_CALLS:
             self._decide(MIN_BYTES)
-            probed = False
+            counted = False
         else:
-            probed = self.calls >= FIRST_PROBED and self.calls % 2 == 0
-        return (_minor_faults(), _seconds()) if probed else None
+            counted = self.calls >= FIRST_PROBED and self.calls % 2 == 0
+        return (_minor_faults(), _seconds()) if counted else None
 
     def end(self, start: tuple[int, float] | None) -> None:
         if start is None:
@@ -282,19 +284,19 @@ class _Watch:
         with _lock:
             if self.call.__code__ is self.plain:  # another thread decided
                 return
-            self.probes.append(probe)
-            if len(self.probes) < PROBES:
+            if self.trial_from is None:
+                self.faulting = self.faulting + 1 if probe[0] >= FAULTS_TO_LOWER else 0
+                if self.faulting == PROBES:
+                    self.trial_from = self.calls + 1
                 return
-            faults, seconds = (sorted(p[i] for p in self.probes)[PROBES // 2] for i in (0, 1))
-            self.probes = []
-            if self.lowered_at is None:
-                if faults >= FAULTS_TO_LOWER:
-                    self.at_min_bytes, self.lowered_at = (faults, seconds), self.calls
-                    self.call.__globals__[_FLOOR] = LOW_BYTES
+            floor = self.call.__globals__[_FLOOR]
+            self.trial[floor].append(probe)
+            if min(map(len, self.trial.values())) < PROBES:
                 return
+            (low_faults, low_s), (min_faults, min_s) = (
+                [sorted(p[i] for p in self.trial[f])[PROBES // 2] for i in (0, 1)] for f in (LOW_BYTES, MIN_BYTES))
             # The floor stays low only where that took the faults away and made calls faster.
-            helped = 2 * faults <= self.at_min_bytes[0] and seconds <= FASTER * self.at_min_bytes[1]
-            self._decide(LOW_BYTES if helped else MIN_BYTES)
+            self._decide(LOW_BYTES if 2 * low_faults <= min_faults and low_s <= FASTER * min_s else MIN_BYTES)
 
     def _decide(self, floor: int) -> None:
         if floor < MIN_BYTES:

@@ -298,29 +298,42 @@ def test_a_program_whose_calls_fault_keeps_its_buffers_from_128_kib(tmp_path, mo
     namespace, watch, calls = _faulting_wrapper(
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call >= 5 and floor == MIN else (3, 3e-3))
     before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
-    assert _run(namespace, calls, 13) == KEPT_FROM_4_MIB
-    assert namespace[cpu_buffers._FLOOR] == MIN  # probes at calls 8, 10, 12: not four yet
-    _run(namespace, calls, 1)  # call 14: the fourth
-    assert namespace[cpu_buffers._FLOOR] == LOW
-    assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB  # it allocates them
-    _run(namespace, calls, 4)  # 16 settles too; 17-19 probed
-    assert namespace["call"].__func__.__code__ is not watch.plain  # still measuring
+    assert _run(namespace, calls, 13) == KEPT_FROM_4_MIB  # calls 8, 10, 12 counted: three faulted
+    assert watch.trial_from is None
+    _run(namespace, calls, 1)  # call 14: the fourth in a row
+    assert watch.trial_from == 15
+    # The two floors in turn: 15 and 16 allocate, 17-24 counted, four at each.
     assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB
+    assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
+    _run(namespace, calls, 7)
+    assert namespace["call"].__func__.__code__ is not watch.plain  # still measuring
+    _run(namespace, calls, 1)
     assert namespace["call"].__func__.__code__ is watch.plain  # decided: the calls count nothing more
     assert namespace[cpu_buffers._FLOOR] == LOW
+    assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB
     assert dynbatch.counters()[cpu_buffers.FLOOR_LOWERED] == before + 1
 
 
 @pytest.mark.parametrize("at_low", [(900, 5e-3), (3, 5e-3)], ids=["faults stay", "no faster"])
-def test_a_floor_that_does_not_end_the_faults_and_speed_calls_up_goes_back_up(tmp_path, monkeypatch, at_low):
+def test_a_floor_that_does_not_end_the_faults_and_speed_calls_up_is_left(tmp_path, monkeypatch, at_low):
     namespace, watch, calls = _faulting_wrapper(
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if floor == MIN else at_low)
-    _run(namespace, calls, 14)
-    assert namespace[cpu_buffers._FLOOR] == LOW
-    assert _run(namespace, calls, 6) == KEPT_FROM_128_KIB  # 15, 16 allocate, 17-20 probed
+    before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
+    _run(namespace, calls, 23)
+    assert namespace["call"].__func__.__code__ is not watch.plain
+    _run(namespace, calls, 1)
     assert namespace["call"].__func__.__code__ is watch.plain
     assert namespace[cpu_buffers._FLOOR] == MIN
     assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
+    assert dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0) == before
+
+
+def test_faults_that_stop_before_four_counted_calls_in_a_row_try_no_floor(tmp_path, monkeypatch):
+    namespace, watch, calls = _faulting_wrapper(
+        tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call % 8 else (0, 3e-3))  # every fourth counted call
+    _run(namespace, calls, cpu_buffers.PROBED_CALLS)
+    assert watch.trial_from is None and namespace["call"].__func__.__code__ is watch.plain
+    assert namespace[cpu_buffers._FLOOR] == MIN
 
 
 @pytest.mark.parametrize("faults", [0, cpu_buffers.FAULTS_TO_LOWER - 1])
