@@ -50,6 +50,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import statistics
 import threading
 import time
 import types
@@ -70,15 +71,19 @@ MIN_BYTES = 4 << 20
 # ... and from this size on in a program whose calls fault (NOTE [Programs that fault]):
 # glibc's default mmap threshold, below which its heap serves a request.
 LOW_BYTES = 128 << 10
-# A program whose counted calls fault this many pages in (1 MiB) is tried at LOW_BYTES:
-# the floor stays there if that ends the faults and makes its calls FASTER.
+# A program whose counted calls fault this many pages in (1 MiB) a call on average is
+# tried at LOW_BYTES: the floor stays there if its calls then fault FEWER pages (their
+# total: some are not the program's buffers, a convolution's output from ATen) and run
+# FASTER (their median time).
 FAULTS_TO_LOWER = 256
+FEWER = 0.75
 FASTER = 0.97
-# Every second call from FIRST_PROBED (the first ones grow the heap) counts its faults,
-# until PROBES in a row fault FAULTS_TO_LOWER pages or PROBED_CALLS calls have run; then
-# the next calls take the two floors in turn, PROBES at each counted after one at each.
+# Each call from FIRST_PROBED (the first ones grow the heap) counts its faults, until the
+# last WINDOW of them reach FAULTS_TO_LOWER on average or PROBED_CALLS calls have run;
+# then the next calls take the two floors in turn, WINDOW at each counted after two at
+# each.
 FIRST_PROBED = 8
-PROBES = 4
+WINDOW = 8
 PROBED_CALLS = 64
 # What the kept buffers may hold in all, free or in use (a buffer beyond it is not kept).
 MAX_KEPT_BYTES = 2 << 30
@@ -240,17 +245,21 @@ FLOOR_LOWERED = "cpu_buffers_from_128KiB"  # dynbatch.counters(): programs whose
 # buffer from 128 KiB costs the programs the heap serves well (the pool's check in Python
 # per allocation, buffers no longer the heap's just-freed ones): `sweep` B = 256 x1.04-1.07.
 # The regime can start after a few calls: pair_mlp N = 32 faulted 0-9 pages at calls 2-3,
-# 384-1,216 at calls 4-11 and 1,504 at every call from 19 on.  And a program's early calls
+# 384-1,216 at calls 4-11 and 1,504 at every call from 19 on.  A program's early calls
 # get faster anyway (caches, the heap settling): a floor tried after them looked better
-# than it was (`pinn/laplacian`, lowered so in one of two runs, ran x1.10).  So each program measures: every
-# second call from its eighth counts the thread's minor faults (getrusage); where four
-# in a row fault FAULTS_TO_LOWER pages, its next calls take the two floors in turn, as the
-# benchmark interleaves its columns, each call counting its faults and time, and after
-# four of each (not the first at each, which allocates) the floor stays LOW_BYTES only
-# where that faulted at most half as much and ran FASTER (upper medians).  Then, or after
-# PROBED_CALLS calls without faults, the program's code is swapped for one without the
-# count.  A dynamic program decides at the sizes of its first calls, and a program whose
-# faults start after its 64th call keeps the 4 MiB floor.
+# than it was (`pinn/laplacian`, lowered so in one of two runs, ran x1.10).  And faults
+# can come every second call (`cnn_jacobian`: 0 and 992 in turn, once one of its two
+# programs kept its buffers): counting every second call missed them.  So each program
+# measures: each call from its eighth counts the thread's minor faults (getrusage); where
+# the last eight fault FAULTS_TO_LOWER pages on average, its next calls take the two
+# floors in turn (low, 4 MiB, 4 MiB, low, ...: as the benchmark interleaves its columns,
+# and no pattern of every second call favours one), each call counting its faults and
+# time; after eight of each (not the first two at each, which allocate) the floor stays
+# LOW_BYTES only where its calls faulted FEWER pages and ran FASTER (median times):
+# `cnn_jacobian`'s convolution outputs, ATen's, fault at either floor (266 against 503
+# pages a call, 3.2 against 3.6 ms).  Then, or after PROBED_CALLS calls without faults, the program's code is
+# swapped for one without the count.  A dynamic program decides at the sizes of its
+# first calls, and a program whose faults start after its 64th call keeps the 4 MiB floor.
 
 class _Watch:
     """The faults and times of a program's calls, and its floor (NOTE [Programs that fault])."""
@@ -258,7 +267,7 @@ class _Watch:
     def __init__(self, call: types.FunctionType, plain: types.CodeType) -> None:
         self.call, self.plain = call, plain
         self.calls = 0
-        self.faulting = 0  # counted calls in a row that faulted FAULTS_TO_LOWER pages
+        self.faults: list[int] = []  # the last WINDOW counted calls' faults
         self.trial_from: int | None = None  # the first call of the trial of the floors
         self.trial: dict[int, list[tuple[int, float]]] = {LOW_BYTES: [], MIN_BYTES: []}
 
@@ -268,13 +277,14 @@ class _Watch:
         self.calls += 1
         if self.trial_from is not None:
             turn = self.calls - self.trial_from
-            self.call.__globals__[_FLOOR] = LOW_BYTES if turn % 2 == 0 else MIN_BYTES
-            counted = turn >= 2  # the first call at each floor allocates what it then keeps
+            # low, 4 MiB, 4 MiB, low, ...: a pattern of faults every second call hits both
+            self.call.__globals__[_FLOOR] = LOW_BYTES if turn % 4 in (0, 3) else MIN_BYTES
+            counted = turn >= 4  # the first turns allocate what the low floor then keeps
         elif self.calls >= PROBED_CALLS:
             self._decide(MIN_BYTES)
             counted = False
         else:
-            counted = self.calls >= FIRST_PROBED and self.calls % 2 == 0
+            counted = self.calls >= FIRST_PROBED
         return (_minor_faults(), _seconds()) if counted else None
 
     def end(self, start: tuple[int, float] | None) -> None:
@@ -285,18 +295,18 @@ class _Watch:
             if self.call.__code__ is self.plain:  # another thread decided
                 return
             if self.trial_from is None:
-                self.faulting = self.faulting + 1 if probe[0] >= FAULTS_TO_LOWER else 0
-                if self.faulting == PROBES:
+                self.faults = [*self.faults, probe[0]][-WINDOW:]
+                if len(self.faults) == WINDOW and sum(self.faults) >= WINDOW * FAULTS_TO_LOWER:
                     self.trial_from = self.calls + 1
                 return
-            floor = self.call.__globals__[_FLOOR]
-            self.trial[floor].append(probe)
-            if min(map(len, self.trial.values())) < PROBES:
+            self.trial[self.call.__globals__[_FLOOR]].append(probe)
+            if min(map(len, self.trial.values())) < WINDOW:
                 return
-            (low_faults, low_s), (min_faults, min_s) = (
-                [sorted(p[i] for p in self.trial[f])[PROBES // 2] for i in (0, 1)] for f in (LOW_BYTES, MIN_BYTES))
+            low, high = self.trial[LOW_BYTES], self.trial[MIN_BYTES]
+            fewer = sum(p[0] for p in low) <= FEWER * sum(p[0] for p in high)
+            faster = statistics.median(p[1] for p in low) <= FASTER * statistics.median(p[1] for p in high)
             # The floor stays low only where that took the faults away and made calls faster.
-            self._decide(LOW_BYTES if 2 * low_faults <= min_faults and low_s <= FASTER * min_s else MIN_BYTES)
+            self._decide(LOW_BYTES if fewer and faster else MIN_BYTES)
 
     def _decide(self, floor: int) -> None:
         if floor < MIN_BYTES:

@@ -298,14 +298,14 @@ def test_a_program_whose_calls_fault_keeps_its_buffers_from_128_kib(tmp_path, mo
     namespace, watch, calls = _faulting_wrapper(
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call >= 5 and floor == MIN else (3, 3e-3))
     before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
-    assert _run(namespace, calls, 13) == KEPT_FROM_4_MIB  # calls 8, 10, 12 counted: three faulted
+    assert _run(namespace, calls, 14) == KEPT_FROM_4_MIB  # calls 8-14 counted: seven
     assert watch.trial_from is None
-    _run(namespace, calls, 1)  # call 14: the fourth in a row
-    assert watch.trial_from == 15
-    # The two floors in turn: 15 and 16 allocate, 17-24 counted, four at each.
-    assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB
-    assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
-    _run(namespace, calls, 7)
+    _run(namespace, calls, 1)  # call 15: the eighth
+    assert watch.trial_from == 16
+    # The two floors in turn, low, 4 MiB, 4 MiB, low: 16-19 allocate, 20-35 counted, eight at each.
+    assert [_run(namespace, calls, 1) for _ in range(4)] == [KEPT_FROM_128_KIB, KEPT_FROM_4_MIB,
+                                                             KEPT_FROM_4_MIB, KEPT_FROM_128_KIB]
+    _run(namespace, calls, 15)
     assert namespace["call"].__func__.__code__ is not watch.plain  # still measuring
     _run(namespace, calls, 1)
     assert namespace["call"].__func__.__code__ is watch.plain  # decided: the calls count nothing more
@@ -319,8 +319,8 @@ def test_a_floor_that_does_not_end_the_faults_and_speed_calls_up_is_left(tmp_pat
     namespace, watch, calls = _faulting_wrapper(
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if floor == MIN else at_low)
     before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
-    _run(namespace, calls, 23)
-    assert namespace["call"].__func__.__code__ is not watch.plain
+    _run(namespace, calls, 34)
+    assert watch.trial_from == 16 and namespace["call"].__func__.__code__ is not watch.plain
     _run(namespace, calls, 1)
     assert namespace["call"].__func__.__code__ is watch.plain
     assert namespace[cpu_buffers._FLOOR] == MIN
@@ -328,9 +328,18 @@ def test_a_floor_that_does_not_end_the_faults_and_speed_calls_up_is_left(tmp_pat
     assert dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0) == before
 
 
-def test_faults_that_stop_before_four_counted_calls_in_a_row_try_no_floor(tmp_path, monkeypatch):
+def test_faults_every_second_call_are_seen_and_tried_fairly(tmp_path, monkeypatch):
+    # 1,200 pages every odd call at 4 MiB: 600 a call on average; kept from 128 KiB, none.
     namespace, watch, calls = _faulting_wrapper(
-        tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call % 8 else (0, 3e-3))  # every fourth counted call
+        tmp_path, monkeypatch, lambda call, floor: (1200, 5e-3) if call % 2 and floor == MIN else (0, 3e-3))
+    _run(namespace, calls, 35)
+    assert watch.trial_from == 16 and namespace["call"].__func__.__code__ is watch.plain
+    assert namespace[cpu_buffers._FLOOR] == LOW
+
+
+def test_rare_faults_try_no_floor(tmp_path, monkeypatch):
+    namespace, watch, calls = _faulting_wrapper(  # one call in eight: 112 pages a call on average
+        tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call % 8 == 0 else (0, 3e-3))
     _run(namespace, calls, cpu_buffers.PROBED_CALLS)
     assert watch.trial_from is None and namespace["call"].__func__.__code__ is watch.plain
     assert namespace[cpu_buffers._FLOOR] == MIN
