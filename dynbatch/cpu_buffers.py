@@ -257,9 +257,10 @@ FLOOR_LOWERED = "cpu_buffers_from_128KiB"  # dynbatch.counters(): programs whose
 # time; after eight of each (not the first two at each, which allocate) the floor stays
 # LOW_BYTES only where its calls faulted FEWER pages and ran FASTER (median times):
 # `cnn_jacobian`'s convolution outputs, ATen's, fault at either floor (266 against 503
-# pages a call, 3.2 against 3.6 ms).  Then, or after PROBED_CALLS calls without faults, the program's code is
-# swapped for one without the count.  A dynamic program decides at the sizes of its
-# first calls, and a program whose faults start after its 64th call keeps the 4 MiB floor.
+# pages a call, 3.2 against 3.6 ms).  Then, or after PROBED_CALLS calls without faults,
+# the program's code is swapped for one without the count.  A dynamic program decides at
+# the sizes of its first calls, and a program whose faults start after its 64th call
+# keeps the 4 MiB floor.
 
 class _Watch:
     """The faults and times of a program's calls, and its floor (NOTE [Programs that fault])."""
@@ -397,7 +398,7 @@ def _code_named(code: types.CodeType, name: str, line: int) -> types.CodeType | 
 
 class _RouteAllocations(ast.NodeTransformer):
     """``empty_strided_cpu(size, stride, dtype)`` -> the pool's call where it is large
-    (a known size from MIN_BYTES), ``(pool if s0 * s1 * 4 >= floor else empty_strided_cpu)(...)``
+    (a known size from MIN_BYTES), ``(pool if 4 * s0 * s1 >= floor else empty_strided_cpu)(...)``
     where its size may reach ``lowest`` (a known one, or symbolic), unchanged where it
     is known and under ``lowest``."""
 
