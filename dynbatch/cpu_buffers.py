@@ -134,20 +134,16 @@ def empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype
     it is large (NOTE [Reused CPU buffers])."""
     # Every buffer of a program comes here: a small one must cost little more than torch's
     # own call (the extent of the outermost dim, row- or column-major, says it is small).
-    if size and max(size[0] * stride[0], size[-1] * stride[-1]) >= _CANDIDATE_ELEMENTS:
-        nbytes = _storage_bytes(size, stride, dtype.itemsize)
-        if nbytes >= MIN_BYTES:
-            with _lock:  # the view made before another thread can see the buffer unused
-                buffer = _take(nbytes)
-                if buffer is not None:
-                    return buffer.view(dtype).as_strided(size, stride)
+    if (size and max(size[0] * stride[0], size[-1] * stride[-1]) >= _CANDIDATE_ELEMENTS
+            and _storage_bytes(size, stride, dtype.itemsize) >= MIN_BYTES):
+        return kept_empty_strided(size, stride, dtype)
     return _torch_empty_strided(size, stride, dtype)
 
 
 def kept_empty_strided(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``empty_strided`` for a site whose size the generated code already compared with
     its program's floor (``routed_function``): kept whatever its size."""
-    with _lock:
+    with _lock:  # the view made before another thread can see the buffer unused
         buffer = _take(_storage_bytes(size, stride, dtype.itemsize))
         if buffer is not None:
             return buffer.view(dtype).as_strided(size, stride)
