@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -102,7 +103,8 @@ def inductor_strides_without_full_simplify() -> Iterator[None]:
     caller reads the stride as a number, 0 or 1, or an expression free of the loop
     variables, so a stride that sympy could have folded and this does not only leaves a load
     unvectorised: never a wrong index.  (Upstream, pytorch/pytorch#186319 drops the same
-    kind of simplify from ``simplify_index_in_vec_range``, for the same reason.)"""
+    kind of simplify from ``simplify_index_in_vec_range``, for the same reason:
+    ``inductor_vec_range_without_full_simplify``.)"""
     module = _compat.inductor_stride_at_module()
     original = module.stride_at
     module.stride_at = _stride_at_without_full_simplify(original)
@@ -112,14 +114,66 @@ def inductor_strides_without_full_simplify() -> Iterator[None]:
         module.stride_at = original
 
 
+@contextlib.contextmanager
+def inductor_vec_range_without_full_simplify() -> Iterator[None]:
+    """``simplify_index_in_vec_range``, which the vectorizer calls before ``stride_at``,
+    replaces the loop variable's lane-uniform ``FloorDiv``/``ModularIndexing`` terms by
+    symbols and then runs ``sympy.simplify`` over the whole index.  Here it runs with a
+    ``simplify`` that leaves an index holding index functions as it is (the stride above
+    reads it just as well); a polynomial index is simplified as before."""
+    module = _compat.inductor_stride_at_module()
+    original = module.simplify_index_in_vec_range
+    module.simplify_index_in_vec_range = _without_full_simplify(original)
+    try:
+        yield
+    finally:
+        module.simplify_index_in_vec_range = original
+
+
 def _stride_at_without_full_simplify(original: Callable) -> Callable:
     @functools.lru_cache(maxsize=None)
     def stride_at(index: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
-        if not index.has(var) or not index.atoms(sympy.core.function.Application):
+        if not index.has(var) or not _has_index_functions(index):
             return original(index, var)  # a polynomial index: simplify is quick there
         return sympy.expand(_compat.inductor_sympy_subs(index, {var: var + 1}) - index, deep=False)
 
     return stride_at
+
+
+def _has_index_functions(index: sympy.Expr) -> bool:
+    return bool(index.atoms(sympy.core.function.Application))
+
+
+class _SympyWithPolynomialSimplify:
+    """``sympy`` as a function of Inductor's module sees it, but ``simplify`` leaves an
+    expression that holds functions (``FloorDiv``, ``ModularIndexing``, ``Where``, ...) as
+    it is (``inductor_vec_range_without_full_simplify``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sympy, name)
+
+    @staticmethod
+    def simplify(expr: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(expr, sympy.Expr) and _has_index_functions(expr):
+            return expr
+        return sympy.simplify(expr, *args, **kwargs)
+
+
+def _without_full_simplify(original: Callable) -> Callable:
+    """``original`` (a function of Inductor's, memoised with ``functools.lru_cache``)
+    running on a copy of its module's globals in which ``sympy`` is
+    ``_SympyWithPolynomialSimplify``, its recursive calls included, with a cache of its
+    own: whatever else the body does (torch 2.11-2.14 differ), it does as before."""
+    function = getattr(original, "__wrapped__", original)
+    scope = dict(function.__globals__, sympy=_SympyWithPolynomialSimplify())
+    copy = functools.update_wrapper(
+        types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, function.__closure__),
+        function)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    if function is not original:
+        copy = functools.lru_cache(maxsize=None)(copy)
+    scope[function.__name__] = copy
+    return copy
 
 
 def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool,
@@ -153,7 +207,9 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
                 fail_soft.soft("the fix of Inductor's fused reads of scattered buffers",
                                inductor_scheduler_keeps_mutation_renames), \
                 fail_soft.soft("Inductor's strides without sympy's full simplify",
-                               inductor_strides_without_full_simplify):
+                               inductor_strides_without_full_simplify), \
+                fail_soft.soft("Inductor's vector index ranges without sympy's full simplify",
+                               inductor_vec_range_without_full_simplify):
             compiled = inner(aten_gm, aten_inputs, **kwargs)
         if options.keep_cpu_buffers:
             try:  # NOTE [Reused CPU buffers] in cpu_buffers.py
