@@ -105,13 +105,8 @@ def inductor_strides_without_full_simplify() -> Iterator[None]:
     unvectorised: never a wrong index.  (Upstream, pytorch/pytorch#186319 drops the same
     kind of simplify from ``simplify_index_in_vec_range``, for the same reason:
     ``inductor_vec_range_without_full_simplify``.)"""
-    module = _compat.inductor_stride_at_module()
-    original = module.stride_at
-    module.stride_at = _stride_at_without_full_simplify(original)
-    try:
+    with _replaced(_compat.inductor_stride_at_module(), "stride_at", _stride_at_without_full_simplify):
         yield
-    finally:
-        module.stride_at = original
 
 
 @contextlib.contextmanager
@@ -123,13 +118,20 @@ def inductor_vec_range_without_full_simplify() -> Iterator[None]:
     Here it runs without the whole-index simplify, as upstream's pytorch/pytorch#186319
     has it: the replacements are the same, the index the same value.  MACE's Hessian
     compiled in 146 s with it and 171 s without, to the same code."""
-    module = _compat.inductor_stride_at_module()
-    original = module.simplify_index_in_vec_range
-    module.simplify_index_in_vec_range = _without_simplify(original)
+    with _replaced(_compat.inductor_stride_at_module(), "simplify_index_in_vec_range", _without_simplify):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(module: Any, name: str, replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``module.name`` is ``replacement(module.name)`` inside the block (Inductor reads it by its
+    global name at each call), the original again after it."""
+    original = getattr(module, name)
+    setattr(module, name, replacement(original))
     try:
         yield
     finally:
-        module.simplify_index_in_vec_range = original
+        setattr(module, name, original)
 
 
 def _stride_at_without_full_simplify(original: Callable) -> Callable:
