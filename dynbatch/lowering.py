@@ -137,15 +137,11 @@ def _replaced(module: Any, name: str, replacement: Callable[[Callable], Callable
 def _stride_at_without_full_simplify(original: Callable) -> Callable:
     @functools.lru_cache(maxsize=None)
     def stride_at(index: sympy.Expr, var: sympy.Symbol) -> sympy.Expr:
-        if not index.has(var) or not _has_index_functions(index):
+        if not index.has(var) or not index.atoms(sympy.core.function.Application):
             return original(index, var)  # a polynomial index: simplify is quick there
         return sympy.expand(_compat.inductor_sympy_subs(index, {var: var + 1}) - index, deep=False)
 
     return stride_at
-
-
-def _has_index_functions(index: sympy.Expr) -> bool:
-    return bool(index.atoms(sympy.core.function.Application))
 
 
 class _SympyWithoutSimplify:
