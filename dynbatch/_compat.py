@@ -304,6 +304,13 @@ def legacy_vmap_level() -> int:
     return level - 1
 
 
+def legacy_vmap_keyed() -> bool:
+    """Is legacy vmap's dispatch key on in this thread?  Off, no legacy BatchedTensor is live
+    here (vmap unwraps its outputs on exit; the engine's device threads inherit the key): one
+    call where a check of each tensor costs one per tensor."""
+    return torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
+
+
 def legacy_vmap_active() -> bool:
     """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
     return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
@@ -608,6 +615,9 @@ def engine_will_execute_each(nodes: Sequence[Any]) -> tuple[bool, ...]:
     wanted, the last one's answer is yes without asking.  Leaves go last, and of
     them the data last of all: a Jacobian or the forces are taken w.r.t. the
     data, the parameters' grads by ``backward()``, where no answer raises."""
+    edges = [k for k, n in enumerate(nodes) if n is not None]
+    if len(edges) == 1:  # the only edge: wanted, unasked
+        return tuple(n is not None for n in nodes)
     # Three lists, not a sort by key: this runs on every batched or create_graph backward.
     inner, parameters, data = [], [], []
     for k, n in enumerate(nodes):

@@ -45,6 +45,7 @@ def why_run_eagerly(args: Sequence[Any]) -> str | None:
     if _compat.forward_ad_level() >= 0 and any(
             isinstance(a, torch.Tensor) and _compat.has_tangent(a) for a in args):
         return "an input carries a forward-mode tangent, which compiled kernels drop"
-    if any(isinstance(a, torch.Tensor) and _compat.is_legacy_batched(a) for a in args):
+    if _compat.legacy_vmap_keyed() and any(isinstance(a, torch.Tensor) and _compat.is_legacy_batched(a)
+                                           for a in args):
         return "an input is batched by eager's vmap (is_grads_batched / vectorize=True)"
     return None

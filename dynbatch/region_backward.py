@@ -162,7 +162,10 @@ def _trial(program, physical, needed, batch_size) -> _Trial | None:
     if any(g.device.type != "cpu" for _, g in physical):
         return _NOT_TIMED
     key = (needed, max(batch_size, 1).bit_length())
-    return program.batched_choice.setdefault(key, _Trial())
+    trial = program.batched_choice.get(key)
+    if trial is None:  # not setdefault: that builds a _Trial on every call
+        trial = program.batched_choice[key] = _Trial()
+    return trial
 
 
 # NOTE [Inner graph's lifetime]

@@ -627,6 +627,33 @@ def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
     assert asked == [2, 3, 3, 2, 3]
 
 
+def test_a_node_with_one_edge_asks_the_engine_nothing():
+    # The node runs, so its one edge is wanted, whatever the others (no edge: None).
+    from dynbatch import _compat
+
+    x, c = torch.randn(3, requires_grad=True), torch.randn(3)
+    each = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            each.append(_compat.engine_will_execute_each([node for node, _ in ctx.next_functions]))
+            return g, g
+
+    def refuse(node):
+        raise AssertionError("asked the engine")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_compat, "engine_will_execute", refuse)
+        grad(Probe.apply(x, c).sum(), x)
+        Probe.apply(c, x * 2).sum().backward()
+    assert each == [(True, False), (False, True)]
+
+
 @pytest.mark.parametrize("path", ["batched_saved", "batched_recompute", "create_graph"])
 def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, path):
     # NOTE [Only the grads a backward uses]: a batched Jacobian or the forces w.r.t. a leaf
