@@ -33,6 +33,11 @@ benchmark times; then, in one process and interleaved (measure.interleaved_times
 Medians in microseconds; the timers around a program add well under a
 microsecond to its whole call.  On a shared CPU use ``--threads 1`` (docs/benchmarks.md).
 
+With ``dynbatch_outside`` among the columns, a second table splits each of its calls
+by phase, beside ``dynbatch``'s (NOTE [An outside call, phase by phase]): the
+compiled model's forward, torch's grad machinery, dynbatch's backward and the
+programs it runs; ``--out FILE.json`` keeps that table for ``report`` (part ``outside``).
+
 ``--workloads force_training`` splits a training step instead (training.py's columns,
 timed interleaved per case): ``whole``, the step; ``programs``, the time inside every
 compiled Inductor program the step runs (forward and backward, timed inside the call:
@@ -48,9 +53,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -59,7 +66,7 @@ import dynbatch
 
 from dynbatch import matmul_kernels
 
-from . import cli, measure, training, variants
+from . import cli, measure, runner, training, variants
 from .workloads import WORKLOADS
 
 # The default columns: the compiled ones a small call is compared across.
@@ -81,6 +88,9 @@ def parse_args(argv) -> argparse.Namespace:
                                                                   if v != "stock_compile"], "variant(s)"),
                         default=None, help=f"comma list of columns, default {','.join(COLUMNS)} "
                                            f"(less {','.join(variants.CUDA_ONLY)} on the CPU)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write dynbatch_outside's phases and the run's provenance to this JSON file "
+                             "(python -m dynbatch.bench report shows it as a table: part 'outside')")
     parser.add_argument("--top", type=int, default=0,
                         help="after each case, each column's N costliest kernels in one profiled call "
                              "(CUDA: by device time; CPU: ops by their own CPU time)")
@@ -104,9 +114,23 @@ def main(argv=None) -> int:
     if batched:
         print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
+        phases: list[dict[str, Any]] = []
+        meta = {**runner.machine_meta(device), "cold_compile_cache": False, "timing": "interleaved",
+                "budget": vars(cli.budget(args))}
         for problem in cli.problems(argparse.Namespace(**{**vars(args), "workloads": batched})):
-            for row in measure_problem(problem, columns, device, cli.budget(args), args.top):
+            for row in measure_problem(problem, columns, device, cli.budget(args), args.top, phases):
                 print("| " + " | ".join(row) + " |", flush=True)
+        if phases:  # NOTE [An outside call, phase by phase]
+            print()
+            print("| " + " | ".join(PHASE_HEADER) + " |")
+            print("|" + "---|" * len(PHASE_HEADER))
+            for row in phases:
+                print("| " + " | ".join(phase_text(row)) + " |", flush=True)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"meta": meta, "problems": [], "outside_phases": phases},
+                                           indent=1, default=str) + "\n")
+            print(f"json: {args.out}")
     for name in (w for w in args.workloads if w in training.WORKLOADS):
         print("| problem | case | column | whole us | programs us | rest us | programs / step's | whole / step's |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
@@ -219,9 +243,10 @@ class ProgramTimer:
 
 
 def measure_problem(problem, columns, device: torch.device, budget: measure.Budget,
-                    top: int = 0) -> Iterator[list[str]]:
+                    top: int = 0, phases: list[dict[str, Any]] | None = None) -> Iterator[list[str]]:
     """One row of figures per case and column (as text), the columns timed interleaved per
-    case; with ``top``, then a row per column's costliest kernel (``top_kernels``)."""
+    case; with ``top``, then a row per column's costliest kernel (``top_kernels``); with
+    ``phases``, a row per case of ``dynbatch_outside`` appended to it (``OutsideSplit``)."""
     torch._dynamo.reset()  # the columns' programs share code objects across problems
     sync = measure.synchronizer(device)
     built: dict[str, tuple[variants.Runner, list[tuple], Programs]] = {}
@@ -242,13 +267,18 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
             continue
         regions = [r.region() for r in dynbatch.compile_records() if r.region is not None and not r.chunk_program]
         built[column] = (runner, inputs, Programs([r for r in regions if r is not None]))
+    split = OutsideSplit() if phases is not None and OUTSIDE in built else None
     with contextlib.ExitStack() as installed:
         for _, _, programs in built.values():
             installed.enter_context(programs.installed())
+        if split is not None:  # its timers wrap the programs' (NOTE [An outside call, phase by phase])
+            installed.enter_context(split.installed())
         for i, case in enumerate(problem.cases):
             calls: dict[str, Callable[[], Any]] = {}
             for column, (runner, inputs, programs) in built.items():
                 calls[column] = programs.whole(functools.partial(runner.call, *inputs[i]))
+                if split is not None and column == OUTSIDE:
+                    calls[column] = split.whole(calls[column])
                 if programs.regions:
                     calls[column]()  # this case's results, for its stack calls
                     sync()
@@ -272,9 +302,147 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                 yield [problem.name, case.label, column, _fmt(whole), _fmt(stack), _fmt(program),
                        _fmt(None if kernel_s is None else kernel_s * 1e6), "–" if launched is None else str(launched)]
                 programs.clear()
+            if split is not None:
+                inside = _median_us(timed["dynbatch"]["times_s"]) if "dynbatch" in timed else None
+                phases.append(split.row(problem.name, case.label, inside))
+                split.calls.clear()
             for column in (c for c in columns if top and c in built and built[c][0].torch_tensors):
                 for kernel, us, count in top_kernels(calls[column], sync, device, top):
                     yield [problem.name, case.label, f"{column}: {kernel}", "", "", "", _fmt(us), str(count)]
+
+
+OUTSIDE = "dynbatch_outside"
+
+
+# NOTE [An outside call, phase by phase]
+# ``dynbatch_outside`` times the compiled model's forward and the is_grads_batched grad
+# taken around it (variants.outside_program).  Each of its calls is cut at the compiled
+# model's calls (``OptimizedModule.__call__``) and at dynbatch's backward, the routed
+# AOTAutograd node's (``region_direct.Direct.backward``) or the program node's
+# (``region_program._ProgramFunction.backward``), outermost only:
+# - forward: the model's compiled forward with Dynamo's frame (per chunk, for a workload
+#   that takes its cotangents in chunks);
+# - torch's grad: the rest of the call less dynbatch's backward: torch.autograd.grad's own
+#   checks (``_make_grads``), the legacy vmap's wrapping and unwrapping, the engine,
+#   AOTAutograd's node, the few lines of the routed backward before Direct.backward, and the
+#   workload's own lines around them (a leaf made of the input; chunks concatenated);
+# - dynbatch's backward: dynbatch's plumbing, less the Inductor programs it runs;
+# - backward programs: those programs (the batched backward from the saved activations or
+#   the recompute path's program), Inductor's wrapper and kernels.
+# Medians of each call's own phases (a median of differences, not a difference of medians);
+# ``inside``: the ``dynbatch`` column's median where it ran beside, the same grad compiled
+# with the model.  Torch's share is what any backend's node pays; dynbatch's is what
+# dynbatch can cut.
+
+class OutsideSplit:
+    """Each ``dynbatch_outside`` call's phases (NOTE [An outside call, phase by phase])."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, ...]] = []  # (whole, forward, torch's, dynbatch's, programs) per call
+        self._call: dict[str, float] | None = None  # the call being timed: its stamps and sums
+        self._depth = 0  # 1 while dynbatch's backward runs (a backward may reach another)
+        self._in_program = False  # an Inductor program runs (a chunked one calls others)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from torch._dynamo.eval_frame import OptimizedModule
+        from torch._inductor.output_code import CompiledFxGraph
+
+        from dynbatch import region_direct, region_program
+
+        def forward(real: Callable[..., Any]) -> Callable[..., Any]:
+            """The compiled model's call (an OptimizedModule's): its seconds."""
+            def run(*args, **kwargs):
+                if self._call is None or self._depth:
+                    return real(*args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self._call["forward"] = self._call.get("forward", 0.0) + time.perf_counter() - start
+
+            return run
+
+        def backward(real: Callable[..., Any]) -> Callable[..., Any]:
+            """dynbatch's backward: its outermost calls' seconds."""
+            def run(*args, **kwargs):
+                if self._call is None or self._depth:
+                    return real(*args, **kwargs)
+                self._depth = 1
+                start = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self._call["dynbatch"] = self._call.get("dynbatch", 0.0) + time.perf_counter() - start
+                    self._depth = 0
+
+            return run
+
+        def program(real: Callable[..., Any]) -> Callable[..., Any]:
+            """An Inductor program that dynbatch's backward runs: its outermost calls' seconds."""
+            def run(*args, **kwargs):
+                if self._call is None or not self._depth or self._in_program:
+                    return real(*args, **kwargs)
+                self._in_program = True
+                start = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self._call["programs"] = self._call.get("programs", 0.0) + time.perf_counter() - start
+                    self._in_program = False
+
+            return run
+
+        # Not torch.autograd.grad: the dynbatch column's program traces it, and Dynamo would
+        # compile that program again for a wrapper in its place.
+        patches = [(OptimizedModule, "__call__", forward(OptimizedModule.__call__)),
+                   (region_direct.Direct, "backward", backward(region_direct.Direct.backward)),
+                   (region_program._ProgramFunction, "backward",
+                    staticmethod(backward(region_program._ProgramFunction.backward))),
+                   (CompiledFxGraph, "__call__", program(CompiledFxGraph.__call__))]
+        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+        try:
+            for owner, name, new in patches:
+                setattr(owner, name, new)
+            yield
+        finally:
+            for owner, name, old in saved:
+                setattr(owner, name, old)
+
+    def whole(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        def run():
+            self._call = stamps = {}
+            start = time.perf_counter()
+            try:
+                result = call()
+            finally:
+                self._call = None
+            whole = time.perf_counter() - start
+            if "forward" in stamps:
+                forward, ours, programs = stamps["forward"], stamps.get("dynbatch", 0.0), stamps.get("programs", 0.0)
+                self.calls.append((whole, forward, whole - forward - ours, ours - programs, programs))
+            return result
+
+        return run
+
+    def row(self, problem: str, case: str, inside_us: float | None) -> dict[str, Any]:
+        """This case's medians in microseconds (None: no call reached the grad), beside the
+        inside column's median: a row of ``--out``'s ``outside_phases``."""
+        medians = [_median_us(list(phase)) for phase in zip(*self.calls)] if self.calls else [None] * 5
+        return {"problem": problem, "case": case, **dict(zip(PHASE_KEYS, medians)), "inside_us": inside_us}
+
+
+# An OutsideSplit row's medians, in the order of OutsideSplit.calls' tuples.
+PHASE_KEYS = ("whole_us", "forward_us", "torch_us", "dynbatch_us", "programs_us")
+PHASE_HEADER = ("problem", "case", "whole us", "forward us", "torch's grad us", "dynbatch's backward us",
+                "backward programs us", "inside us", "whole / inside")
+
+
+def phase_text(row: dict[str, Any]) -> list[str]:
+    """A row of ``outside_phases`` as the table shows it (the ratio computed here)."""
+    whole, inside = row["whole_us"], row["inside_us"]
+    ratio = "–" if not whole or not inside else f"×{whole / inside:.2f}"
+    return [row["problem"], row["case"], *(_fmt(row[k]) for k in PHASE_KEYS), _fmt(inside), ratio]
 
 
 # NOTE [A stack under differentiable outputs]
