@@ -3,7 +3,8 @@
 # per call so each fits its 10-minute limit.  Logs go to $OUT/run.log, the
 # benchmark to $OUT/bench/ (written after every problem, so a run stopped at its
 # limit still returns what it measured; the device tool returns at most 8 files).
-# carry: .whl (the expecttest wheel; docs/testing.md).
+# carry: .whl (the wheels the machine lacks: `bash scripts/device_wheels.sh` here fetches
+# expecttest and MACE's stack for its Python 3.12; docs/testing.md).
 #   PHASES="bench" (default): the CUDA benchmark, WORKLOADS (default every one, the
 #       newest first) and VARIANTS (default the columns that can be the best other:
 #       eager_loop, eager_vmap_chunked and stock_compile, never the fastest on CUDA, are
@@ -19,6 +20,10 @@
 #       then, where JAX still leads by 1.5-2x (`full_hessian/lj` N = 500: 8.88 against 4.45 ms),
 #       which kernels cost: PHASES=profile PROFILE_TIMEOUT=150
 #         PROFILE_ARGS="--workloads full_hessian --atoms 500 --variants compiled_func,dynbatch"
+#       MACE on CUDA (never run there yet; its stack travels in .whl, and the same wheels
+#       import MACE and pass tests/models/test_mace.py under Python 3.12 and torch 2.11 on
+#       this CPU): PHASES=bench BENCH_TIMEOUT=420 BENCH_ARGS="--min-time 0.1 --workloads mace"
+#       (the three calls, columns eager, stock_mace_prep and dynbatch, empty compile caches).
 #   PHASES="tests": tests/test_cuda.py (TESTS narrows or widens it), in parallel
 #       with the OpInfo sweep on CUDA (OPINFO_K narrows it; its figures, merged over
 #       pytest-xdist's workers, end its log); OVERHEAD_TIMEOUT>0 then runs
