@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import dynbatch
-from dynbatch import _compat, matmul_kernels
+from dynbatch import matmul_kernels
 
 from . import cli, measure, runner, training, variants
 from .workloads import WORKLOADS
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     columns = {f"{key}={text}": {**shared, key: v} for text, v in values}
     first = next(iter(columns))
     meta = {**runner.machine_meta(device), "setting": key, "options": {k: repr(v) for k, v in shared.items()},
-            "cold_compile_cache": _empty(Path(_compat.inductor_cache_dir())), "timing": "interleaved",
+            "cold_compile_cache": runner.compile_cache_empty(), "timing": "interleaved",
             "budget": vars(cli.budget(args))}
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; every column: "
           f"options={shared}; medians, ratios over {first}; faults: minor page faults of one call; "
@@ -194,11 +194,6 @@ def measure_problem(problem, columns: dict[str, dict[str, Any]], device: torch.d
                                                         "graphs", "max_abs_err", "cores_used")},
                            ratio=cell["median_s"] / base if base else None)
             yield row
-
-
-def _empty(folder: Path) -> bool:
-    """No compiled code cached yet: every column's first call compiles from scratch."""
-    return not folder.is_dir() or not any(folder.iterdir())
 
 
 def minor_faults(call: Callable[[], Any], sync: Callable[[], None]) -> int:

@@ -115,8 +115,8 @@ def main(argv=None) -> int:
         print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
         phases: list[dict[str, Any]] = []
-        meta = {**runner.machine_meta(device), "cold_compile_cache": False, "timing": "interleaved",
-                "budget": vars(cli.budget(args))}
+        meta = {**runner.machine_meta(device), "cold_compile_cache": runner.compile_cache_empty(),
+                "timing": "interleaved", "budget": vars(cli.budget(args))}
         for problem in cli.problems(argparse.Namespace(**{**vars(args), "workloads": batched})):
             for row in measure_problem(problem, columns, device, cli.budget(args), args.top, phases):
                 print("| " + " | ".join(row) + " |", flush=True)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -401,6 +402,14 @@ def machine_meta(device: torch.device) -> dict[str, Any]:
         # Other processes share the cores: the 1-minute load average says how much.
         "loadavg_at_start": _loadavg(),
     }
+
+
+def compile_cache_empty() -> bool:
+    """No compiled code in Inductor's cache folder yet: a run's first calls compile from scratch."""
+    from dynbatch import _compat
+
+    folder = Path(_compat.inductor_cache_dir())
+    return not folder.is_dir() or not any(folder.iterdir())
 
 
 def _meta(settings: Settings) -> dict[str, Any]:
