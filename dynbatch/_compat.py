@@ -305,15 +305,15 @@ def legacy_vmap_level() -> int:
 
 
 def legacy_vmap_keyed() -> bool:
-    """Is legacy vmap's dispatch key on in this thread?  Off, no legacy BatchedTensor is live
-    here (vmap unwraps its outputs on exit; the engine's device threads inherit the key): one
-    call where a check of each tensor costs one per tensor."""
+    """Is legacy vmap's dispatch key on in this thread?  Where it is off, no legacy
+    BatchedTensor is live (vmap unwraps its outputs as it exits; the engine's device threads
+    inherit the key): one C++ call instead of a check of each tensor."""
     return torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
 
 
 def legacy_vmap_active() -> bool:
     """Inside eager's legacy vmap, also on a device thread that has its key without its level."""
-    return bool(legacy_vmap_level()) or torch._C._dispatch_tls_is_dispatch_key_included(_VMAP_MODE)
+    return bool(legacy_vmap_level()) or legacy_vmap_keyed()
 
 
 def is_legacy_batched(t: torch.Tensor) -> bool:
