@@ -101,6 +101,10 @@ class ChunkProgram:
             leaves = [leaf(x) for x in inputs]
             deps = [leaf(d) if rg else d.detach() for d, rg in zip(deps, self.dep_requires_grad)]
             if chunks == 1:  # B fits: the program's grads as they are, no copy
+                # Aliases are marked, not the tensors given: a cotangent may be the caller's
+                # own (a graph input passed through), and a mark on it failed the caller's
+                # frame's guards at its next call, which compiled the frame again.
+                cotangents = [c.view_as(c) for c in cotangents]
                 for c in cotangents:
                     _compat.mark_batch_dynamic(c)
                 grads = self.compiled()(*leaves, *deps, *ints, *cotangents)

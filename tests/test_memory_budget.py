@@ -27,7 +27,7 @@ import dynbatch
 from dynbatch import chunking, cpu_buffers, memory
 from dynbatch.bench.measure import _profiled_peak
 from dynbatch.options import Options, parse_memory_budget
-from conftest import DEFAULTS, assert_same_grads, compile_dynbatch, loop_grads
+from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
 
 grad = torch.autograd.grad
 
@@ -243,6 +243,22 @@ def test_fixed_chunks_equal_the_eager_loop_over_a_batch_sweep(batches):
     assert counters["graphs"] <= 2 and not counters.get("fallbacks")
     assert counters["grads_chunked"] >= 1 and counters["chunk_programs"] == 1
     assert any(p.applied and p.chunk_size == 4 for p in plans())
+
+
+def test_a_batch_that_fits_one_chunk_leaves_the_callers_cotangent_unmarked():
+    """A B that fits one chunk runs the chunk program on the cotangent as given: marking
+    that tensor's batch dim dynamic (for the chunk program's frame) marked the caller's own
+    V, and the caller's frame failed its guards at the next call and compiled again."""
+    x, big, small = torch.randn(4, 16), torch.randn(13, 4, 16), torch.randn(3, 4, 16)
+    # Inductor's code hands the op the graph's input tensor itself (aot_eager's does not)
+    f = compile_dynbatch(jacobian, options={**INDUCTOR, "dynbatch.chunk_size": 4})
+    f(x, big)  # compiles the chunked program (13 = 4+3+3+3)
+    f(x, small)  # B = 3: one chunk, and a graph for its size
+    graphs = dynbatch.counters()["graphs"]
+    for _ in range(2):
+        assert_same_grads(f(x, small), eager_jacobian(x, small))
+    assert dynbatch.counters()["graphs"] == graphs, dynbatch.counters()
+    assert not hasattr(small, "_dynamo_weak_dynamic_indices") and not hasattr(small, "_dynamo_dynamic_indices")
 
 
 def test_batch_of_one_and_budget_below_one_sample():
