@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import statistics
 import time
 import warnings
@@ -112,24 +113,31 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__} on {name}, {torch.get_num_threads()} threads; medians in us")
     batched = [w for w in args.workloads if w not in training.WORKLOADS]
     if batched:
-        print(f"| problem | case | column | whole us | stack us | program us | {kernels} us | {kernels}/call |")
-        print("|---|---|---|---|---|---|---|---|", flush=True)
+        print("| " + " | ".join(header(kernels)) + " |")
+        print("|" + "---|" * len(header(kernels)), flush=True)
+        rows: list[dict[str, Any]] = []
         phases: list[dict[str, Any]] = []
         meta = {**runner.machine_meta(device), "cold_compile_cache": runner.compile_cache_empty(),
                 "timing": "interleaved", "budget": vars(cli.budget(args))}
         for problem in cli.problems(argparse.Namespace(**{**vars(args), "workloads": batched})):
             for row in measure_problem(problem, columns, device, cli.budget(args), args.top, phases):
-                print("| " + " | ".join(row) + " |", flush=True)
+                print("| " + " | ".join(row_text(row)) + " |", flush=True)
+                if "top" not in row:
+                    rows.append(row)
+        for line in floor_summary(rows):  # NOTE [What a call costs at the least]
+            print(line)
         if phases:  # NOTE [An outside call, phase by phase]
             print()
             print("| " + " | ".join(PHASE_HEADER) + " |")
             print("|" + "---|" * len(PHASE_HEADER))
             for row in phases:
                 print("| " + " | ".join(phase_text(row)) + " |", flush=True)
+            for line in phase_summary(phases):
+                print(line)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"meta": meta, "problems": [], "outside_phases": phases},
-                                           indent=1, default=str) + "\n")
+            args.out.write_text(json.dumps({"meta": meta, "problems": [], "overhead": rows,
+                                            "outside_phases": phases}, indent=1, default=str) + "\n")
             print(f"json: {args.out}")
     for name in (w for w in args.workloads if w in training.WORKLOADS):
         print("| problem | case | column | whole us | programs us | rest us | programs / step's | whole / step's |")
@@ -285,33 +293,98 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                     if not programs.differentiable:
                         calls[f"{column} stack"] = programs.stack(functools.partial(runner.call, *inputs[i]))
             timed = measure.interleaved_times(calls, sync, budget) if calls else {}
+            case_rows = []
             for column in columns:
+                row = {"problem": problem.name, "case": case.label, "column": column}
                 if column in skipped:
-                    yield [problem.name, case.label, column, skipped[column], "", "", "", ""]
+                    case_rows.append({**row, "status": skipped[column]})
                     continue
                 runner, _, programs = built[column]
-                whole = _median_us(timed[column]["times_s"])
                 spent, rest = programs.split()
-                program = _median_us(spent) if programs.regions else None
-                if f"{column} stack" in timed:
+                # Only a stack timed with its programs replaced is a frame alone (a floor's part).
+                frame_alone = f"{column} stack" in timed
+                if frame_alone:
                     stack = _median_us(timed[f"{column} stack"]["times_s"])
                 else:  # NOTE [A stack under differentiable outputs]
                     stack = _median_us(rest) if programs.regions else None
                 kernel_s, launched = (kernels_per_call(calls[column], sync, device) if runner.torch_tensors
                                       else (None, None))
-                yield [problem.name, case.label, column, _fmt(whole), _fmt(stack), _fmt(program),
-                       _fmt(None if kernel_s is None else kernel_s * 1e6), "–" if launched is None else str(launched)]
+                case_rows.append({**row, "status": "ok", "whole_us": _median_us(timed[column]["times_s"]),
+                                  "stack_us": stack, "program_us": _median_us(spent) if programs.regions else None,
+                                  "kernels_us": None if kernel_s is None else kernel_s * 1e6,
+                                  "kernels_per_call": launched, "device": device.type,
+                                  "stack_is_frame": frame_alone})
                 programs.clear()
+            yield from with_floors(case_rows)
             if split is not None:
                 inside = _median_us(timed["dynbatch"]["times_s"]) if "dynbatch" in timed else None
                 phases.append(split.row(problem.name, case.label, inside))
                 split.calls.clear()
             for column in (c for c in columns if top and c in built and built[c][0].torch_tensors):
                 for kernel, us, count in top_kernels(calls[column], sync, device, top):
-                    yield [problem.name, case.label, f"{column}: {kernel}", "", "", "", _fmt(us), str(count)]
+                    yield {"problem": problem.name, "case": case.label, "column": f"{column}: {kernel}",
+                           "top": True, "kernels_us": us, "kernels_per_call": count}
 
 
 OUTSIDE = "dynbatch_outside"
+
+
+# NOTE [What a call costs at the least]
+# On the CPU, ``stack`` (Dynamo's frame, its guards, the region and AOTAutograd's wrappers,
+# with no program) plus ``products`` (the call's matrix products, each replayed alone by
+# the fastest torch kernel for its shapes) is what the call would take if everything else
+# its program does -- pointwise kernels, allocations, Inductor's wrapper -- took no time:
+# torch's own floor for that graph.  Beside a JAX column that ran the same case, ``floor /
+# jax`` says whether any program Inductor could write would reach JAX's call: at 1 or more,
+# the products and the frame alone take as long as JAX's whole call.  Drawn only where the
+# stack was timed with the programs replaced (not under differentiable outputs, whose
+# "stack" holds the backward's plumbing too), and not on CUDA, where ``kernels`` is device
+# time that overlaps the host's stack.
+JAX = "jax"
+
+
+def header(kernels: str = "products") -> tuple[str, ...]:
+    return ("problem", "case", "column", "whole us", "stack us", "program us", f"{kernels} us",
+            f"{kernels}/call", "stack + products / jax")
+
+
+def with_floors(case_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One case's rows, each compiled CPU column's with its floor over JAX's call where
+    JAX ran beside (NOTE [What a call costs at the least])."""
+    jax = next((r["whole_us"] for r in case_rows if r["column"] == JAX and r["status"] == "ok"), None)
+    for row in case_rows:
+        floor = _floor_us(row)
+        row["floor_over_jax"] = None if floor is None or not jax else floor / jax
+    return case_rows
+
+
+def _floor_us(row: dict[str, Any]) -> float | None:
+    if row.get("device") != "cpu" or not row.get("stack_is_frame") or row.get("kernels_us") is None:
+        return None
+    return row["stack_us"] + row["kernels_us"]
+
+
+def row_text(row: dict[str, Any]) -> list[str]:
+    """A row of the per-call table as printed (and as ``report`` shows ``--out``'s rows)."""
+    first = [row["problem"], row["case"], row["column"]]
+    if row.get("top"):
+        return [*first, "", "", "", _fmt(row["kernels_us"]), str(row["kernels_per_call"]), ""]
+    if row["status"] != "ok":
+        return [*first, row["status"], "", "", "", "", ""]
+    launched, floor = row["kernels_per_call"], row.get("floor_over_jax")
+    return [*first, *(_fmt(row[k]) for k in ("whole_us", "stack_us", "program_us", "kernels_us")),
+            "–" if launched is None else str(launched), "–" if floor is None else f"×{floor:.2f}"]
+
+
+def floor_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per compiled column beside JAX: in how many cases its floor alone reaches JAX's call."""
+    lines = []
+    for column in dict.fromkeys(r["column"] for r in rows if r.get("floor_over_jax") is not None):
+        floors = [r["floor_over_jax"] for r in rows if r["column"] == column and r.get("floor_over_jax") is not None]
+        reached = sum(f >= 1 for f in floors)
+        lines.append(f"{column}: stack + products alone reach JAX's whole call in {reached} of {len(floors)} "
+                     f"cases (NOTE [What a call costs at the least] in dynbatch/bench/overhead.py).")
+    return lines
 
 
 # NOTE [An outside call, phase by phase]
@@ -435,14 +508,41 @@ class OutsideSplit:
 # An OutsideSplit row's medians, in the order of OutsideSplit.calls' tuples.
 PHASE_KEYS = ("whole_us", "forward_us", "torch_us", "dynbatch_us", "programs_us")
 PHASE_HEADER = ("problem", "case", "whole us", "forward us", "torch's grad us", "dynbatch's backward us",
-                "backward programs us", "inside us", "whole / inside")
+                "backward programs us", "inside us", "whole / inside", "less dynbatch's backward / inside")
+ONE_MS_US = 1000.0  # the issue's bar for an outside call holds per case from an inside call of 1 ms
+
+
+def phase_ratios(row: dict[str, Any]) -> tuple[float, float] | None:
+    """(whole / inside, (whole - dynbatch's backward) / inside): the call, and the call were
+    dynbatch's plumbing free (its programs kept), over the grad inside; None: no figures."""
+    whole, ours, inside = row["whole_us"], row["dynbatch_us"], row["inside_us"]
+    if not whole or not inside or ours is None:
+        return None
+    return whole / inside, (whole - ours) / inside
 
 
 def phase_text(row: dict[str, Any]) -> list[str]:
-    """A row of ``outside_phases`` as the table shows it (the ratio computed here)."""
-    whole, inside = row["whole_us"], row["inside_us"]
-    ratio = "–" if not whole or not inside else f"×{whole / inside:.2f}"
-    return [row["problem"], row["case"], *(_fmt(row[k]) for k in PHASE_KEYS), _fmt(inside), ratio]
+    """A row of ``outside_phases`` as the table shows it (the ratios computed here)."""
+    ratios = phase_ratios(row)
+    shown = ["–", "–"] if ratios is None else [f"×{r:.2f}" for r in ratios]
+    return [row["problem"], row["case"], *(_fmt(row[k]) for k in PHASE_KEYS), _fmt(row["inside_us"]), *shown]
+
+
+def phase_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The two ratios' geometric means, and the cases from an inside call of 1 ms over ×1.2."""
+    ratios = [(row, r) for row in rows if (r := phase_ratios(row)) is not None]
+    if not ratios:
+        return []
+    large = [(row, r) for row, r in ratios if row["inside_us"] >= ONE_MS_US]
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    return [f"Over {len(ratios)} cases, whole / inside: geometric mean ×{geomean([r[0] for _, r in ratios]):.2f}; "
+            f"less dynbatch's backward: ×{geomean([r[1] for _, r in ratios]):.2f}. "
+            f"Of the {len(large)} cases whose inside call takes 1 ms or more, over ×1.2: "
+            f"{sum(r[0] > 1.2 for _, r in large)}, and {sum(r[1] > 1.2 for _, r in large)} "
+            "less dynbatch's backward."]
 
 
 # NOTE [A stack under differentiable outputs]

@@ -467,8 +467,9 @@ def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 #   <!-- end generated -->
 #
 # with, where one file holds both and the doc shows them apart, a part after the path
-# ("batched", "training", "mace", "ab" or "outside").  `report` rewrites what lies between the markers of the
-# files it is given, from those files, and nothing else: the doc's tables cannot drift
+# ("batched", "training", "mace", "ab", "outside" or "overhead").  `report` rewrites what
+# lies between the markers of the files it is given, from those files, and nothing else:
+# the doc's tables cannot drift
 # from the JSON, a re-run replaces them instead of adding a dated section, and running
 # it twice gives the same file.  The path is read from the current folder, as the
 # command line's are.
@@ -478,7 +479,7 @@ END = "<!-- end generated -->"
 BLOCK = re.compile(rf"^(?P<begin>{re.escape(BEGIN)}(?P<source>\S+)(?: (?P<part>\S+))? -->)\n.*?^{re.escape(END)}$",
                    re.M | re.S)
 PARTS = {"batched": "problems", "training": "training", "mace": "mace", "ab": "ab",  # part -> the results key it shows
-         "outside": "outside_phases"}
+         "outside": "outside_phases", "overhead": "overhead"}
 
 
 def part_of(results: dict[str, Any], part: str | None) -> dict[str, Any]:
@@ -524,6 +525,8 @@ def doc_block(results: dict[str, Any], images: list[str]) -> str:
         parts.append(mace_table(results, notes))
     if results.get("ab"):
         parts.append(ab_table(results))
+    if results.get("overhead"):
+        parts.append(overhead_table(results))
     if results.get("outside_phases"):
         parts.append(outside_phases_table(results))
     if notes.notes:
@@ -554,7 +557,20 @@ def outside_phases_table(results: dict[str, Any]) -> str:
     lines = ["`dynbatch_outside`'s calls by phase, medians in µs, interleaved with `dynbatch`'s.", "",
              "| " + " | ".join(overhead.PHASE_HEADER) + " |", "|" + "---|" * len(overhead.PHASE_HEADER)]
     lines += ["| " + " | ".join(overhead.phase_text(row)) + " |" for row in results["outside_phases"]]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *overhead.phase_summary(results["outside_phases"])])
+
+
+def overhead_table(results: dict[str, Any]) -> str:
+    """``python -m dynbatch.bench overhead --out``'s per-call rows: each column's call, its
+    stack, its programs and its products, and the floor over JAX's call (NOTE [What a call
+    costs at the least] in overhead.py)."""
+    from . import overhead
+
+    rows = results["overhead"]
+    lines = ["Per call, medians in µs, the columns interleaved.", "",
+             "| " + " | ".join(overhead.header()) + " |", "|" + "---|" * len(overhead.header())]
+    lines += ["| " + " | ".join(overhead.row_text(row)) + " |" for row in rows]
+    return "\n".join([*lines, "", *overhead.floor_summary(rows)])
 
 
 def image_path(img_dir: Path, source: Path, figure: str) -> Path:
