@@ -376,14 +376,19 @@ def row_text(row: dict[str, Any]) -> list[str]:
             "–" if launched is None else str(launched), "–" if floor is None else f"×{floor:.2f}"]
 
 
+NEAR_FLOOR = 0.8  # a floor this close to JAX's call leaves the rest of the program no room
+
+
 def floor_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per compiled column beside JAX: in how many cases its floor alone reaches JAX's call."""
+    """Per compiled column beside JAX: the cases whose floor alone takes most of JAX's call."""
     lines = []
     for column in dict.fromkeys(r["column"] for r in rows if r.get("floor_over_jax") is not None):
-        floors = [r["floor_over_jax"] for r in rows if r["column"] == column and r.get("floor_over_jax") is not None]
-        reached = sum(f >= 1 for f in floors)
-        lines.append(f"{column}: stack + products alone reach JAX's whole call in {reached} of {len(floors)} "
-                     f"cases (NOTE [What a call costs at the least] in dynbatch/bench/overhead.py).")
+        floors = [r for r in rows if r["column"] == column and r.get("floor_over_jax") is not None]
+        near = [r for r in floors if r["floor_over_jax"] >= NEAR_FLOOR]
+        listed = "".join(f"; {r['problem']} {r['case']} ×{r['floor_over_jax']:.2f}" for r in near)
+        lines.append(f"{column}: stack + products alone take {NEAR_FLOOR:g} of JAX's whole call or more in "
+                     f"{len(near)} of {len(floors)} cases{listed} (NOTE [What a call costs at the least] in "
+                     "dynbatch/bench/overhead.py).")
     return lines
 
 
