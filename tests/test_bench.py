@@ -447,17 +447,17 @@ def test_overhead_floor_is_stack_plus_products_over_jaxs_call():
 
 
 def test_outside_phase_summary_counts_the_large_cases():
-    from dynbatch.bench import overhead
+    from dynbatch.bench import outside_phases
 
     def phase(inside, whole, ours):
         return {"problem": "p", "case": str(inside), "whole_us": whole, "forward_us": 1.0, "torch_us": 1.0,
                 "dynbatch_us": ours, "programs_us": 1.0, "inside_us": inside}
 
     rows = [phase(100.0, 400.0, 100.0), phase(2000.0, 2600.0, 300.0), phase(4000.0, 4400.0, 100.0)]
-    assert overhead.phase_ratios(rows[1]) == pytest.approx((1.3, 1.15))
+    assert outside_phases.phase_ratios(rows[1]) == pytest.approx((1.3, 1.15))
     geomean = (4.0 * 1.3 * 1.1) ** (1 / 3)
     less = (3.0 * 1.15 * 1.075) ** (1 / 3)
-    assert overhead.phase_summary(rows) == [
+    assert outside_phases.phase_summary(rows) == [
         f"Over 3 cases, whole / inside: geometric mean ×{geomean:.2f}; less dynbatch's backward: ×{less:.2f}. "
         "Of the 2 cases whose inside call takes 1 ms or more, over ×1.2: 1, and 0 less dynbatch's backward."]
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
 from .variants import VARIANTS
+
+
+def geomean(ratios: list[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 def ok(cell: dict[str, Any] | None) -> bool:

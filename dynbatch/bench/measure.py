@@ -144,6 +144,16 @@ def interleaved_times(calls: dict[str, Callable[[], Any]], sync: Callable[[], No
             for name, t in times.items()}
 
 
+def median_us(times: list[float]) -> float:
+    """The median of ``times`` (seconds) in microseconds."""
+    return statistics.median(times) * 1e6
+
+
+def fmt_us(us: float | None) -> str:
+    """Microseconds as the tables show them ("–": not measured)."""
+    return "–" if us is None else f"{us:.1f}"
+
+
 def cores_used(cpu_before: float, wall_before: float) -> float:
     """The process's CPU time over wall time since the two readings: how many
     cores the column kept busy while it was timed (every thread of this process,

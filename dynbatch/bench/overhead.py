@@ -33,10 +33,12 @@ benchmark times; then, in one process and interleaved (measure.interleaved_times
 Medians in microseconds; the timers around a program add well under a
 microsecond to its whole call.  On a shared CPU use ``--threads 1`` (docs/benchmarks.md).
 
-With ``dynbatch_outside`` among the columns, a second table splits each of its calls
-by phase, beside ``dynbatch``'s (NOTE [An outside call, phase by phase]): the
-compiled model's forward, torch's grad machinery, dynbatch's backward and the
-programs it runs; ``--out FILE.json`` keeps that table for ``report`` (part ``outside``).
+Beside a ``jax`` column, each compiled CPU column's stack + products is put over JAX's call
+(NOTE [What a call costs at the least]).  With ``dynbatch_outside`` among the columns, a
+second table splits each of its calls by phase, beside ``dynbatch``'s (outside_phases.py):
+the compiled model's forward, torch's grad machinery, dynbatch's backward and the programs
+it runs.  ``--out FILE.json`` keeps both tables for ``report`` (parts ``overhead`` and
+``outside``).
 
 ``--workloads force_training`` splits a training step instead (training.py's columns,
 timed interleaved per case): ``whole``, the step; ``programs``, the time inside every
@@ -54,7 +56,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import statistics
 import time
 import warnings
@@ -68,6 +69,8 @@ import dynbatch
 from dynbatch import matmul_kernels
 
 from . import cli, measure, runner, training, variants
+from .measure import fmt_us, median_us
+from .outside_phases import PHASE_HEADER, OutsideSplit, phase_summary, phase_text
 from .workloads import WORKLOADS
 
 # The default columns: the compiled ones a small call is compared across.
@@ -189,15 +192,15 @@ def measure_training_problem(problem, device: torch.device, budget: measure.Budg
             calls[column] = timer.timed(column, call, sync)
         with timer.installed():
             timed = measure.interleaved_times(calls, sync, budget)
-        whole = {c: _median_us(timed[c]["times_s"]) for c in calls}
+        whole = {c: median_us(timed[c]["times_s"]) for c in calls}
         # Medians of each call's own split: a median of wholes less a median of programs
         # can go negative on a noisy machine.
-        programs = {c: _median_us([p for _, p in timer.calls[c]]) if timer.calls.get(c) else None for c in calls}
-        rest = {c: _median_us([w - p for w, p in timer.calls[c]]) if timer.calls.get(c) else None for c in calls}
+        programs = {c: median_us([p for _, p in timer.calls[c]]) if timer.calls.get(c) else None for c in calls}
+        rest = {c: median_us([w - p for w, p in timer.calls[c]]) if timer.calls.get(c) else None for c in calls}
         step, step_programs = whole["dynbatch_step"], programs["dynbatch_step"]
         for column in calls:
             p = programs[column]
-            yield [problem.name, case.label, column, _fmt(whole[column]), _fmt(p), _fmt(rest[column]),
+            yield [problem.name, case.label, column, fmt_us(whole[column]), fmt_us(p), fmt_us(rest[column]),
                    "–" if p is None or not step_programs else f"×{p / step_programs:.2f}",
                    f"×{whole[column] / step:.2f}"]
         timer.calls.clear()
@@ -304,20 +307,20 @@ def measure_problem(problem, columns, device: torch.device, budget: measure.Budg
                 # Only a stack timed with its programs replaced is a frame alone (a floor's part).
                 frame_alone = f"{column} stack" in timed
                 if frame_alone:
-                    stack = _median_us(timed[f"{column} stack"]["times_s"])
+                    stack = median_us(timed[f"{column} stack"]["times_s"])
                 else:  # NOTE [A stack under differentiable outputs]
-                    stack = _median_us(rest) if programs.regions else None
+                    stack = median_us(rest) if programs.regions else None
                 kernel_s, launched = (kernels_per_call(calls[column], sync, device) if runner.torch_tensors
                                       else (None, None))
-                case_rows.append({**row, "status": "ok", "whole_us": _median_us(timed[column]["times_s"]),
-                                  "stack_us": stack, "program_us": _median_us(spent) if programs.regions else None,
+                case_rows.append({**row, "status": "ok", "whole_us": median_us(timed[column]["times_s"]),
+                                  "stack_us": stack, "program_us": median_us(spent) if programs.regions else None,
                                   "kernels_us": None if kernel_s is None else kernel_s * 1e6,
                                   "kernels_per_call": launched, "device": device.type,
                                   "stack_is_frame": frame_alone})
                 programs.clear()
             yield from with_floors(case_rows)
             if split is not None:
-                inside = _median_us(timed["dynbatch"]["times_s"]) if "dynbatch" in timed else None
+                inside = median_us(timed["dynbatch"]["times_s"]) if "dynbatch" in timed else None
                 phases.append(split.row(problem.name, case.label, inside))
                 split.calls.clear()
             for column in (c for c in columns if top and c in built and built[c][0].torch_tensors):
@@ -368,11 +371,11 @@ def row_text(row: dict[str, Any]) -> list[str]:
     """A row of the per-call table as printed (and as ``report`` shows ``--out``'s rows)."""
     first = [row["problem"], row["case"], row["column"]]
     if row.get("top"):
-        return [*first, "", "", "", _fmt(row["kernels_us"]), str(row["kernels_per_call"]), ""]
+        return [*first, "", "", "", fmt_us(row["kernels_us"]), str(row["kernels_per_call"]), ""]
     if row["status"] != "ok":
         return [*first, row["status"], "", "", "", "", ""]
     launched, floor = row["kernels_per_call"], row.get("floor_over_jax")
-    return [*first, *(_fmt(row[k]) for k in ("whole_us", "stack_us", "program_us", "kernels_us")),
+    return [*first, *(fmt_us(row[k]) for k in ("whole_us", "stack_us", "program_us", "kernels_us")),
             "–" if launched is None else str(launched), "–" if floor is None else f"×{floor:.2f}"]
 
 
@@ -390,164 +393,6 @@ def floor_summary(rows: list[dict[str, Any]]) -> list[str]:
                      f"{len(near)} of {len(floors)} cases{listed} (NOTE [What a call costs at the least] in "
                      "dynbatch/bench/overhead.py).")
     return lines
-
-
-# NOTE [An outside call, phase by phase]
-# ``dynbatch_outside`` times the compiled model's forward and the is_grads_batched grad
-# taken around it (variants.outside_program).  Each of its calls is cut at the compiled
-# model's calls (``OptimizedModule.__call__``) and at dynbatch's backward, the routed
-# AOTAutograd node's (``region_direct.Direct.backward``) or the program node's
-# (``region_program._ProgramFunction.backward``), outermost only:
-# - forward: the model's compiled forward with Dynamo's frame (per chunk, for a workload
-#   that takes its cotangents in chunks);
-# - torch's grad: the rest of the call less dynbatch's backward: torch.autograd.grad's own
-#   checks (``_make_grads``), the legacy vmap's wrapping and unwrapping, the engine,
-#   AOTAutograd's node, the few lines of the routed backward before Direct.backward, and the
-#   workload's own lines around them (a leaf made of the input; chunks concatenated);
-# - dynbatch's backward: dynbatch's plumbing, less the Inductor programs it runs;
-# - backward programs: those programs (the batched backward from the saved activations or
-#   the recompute path's program), Inductor's wrapper and kernels.
-# Medians of each call's own phases (a median of differences, not a difference of medians);
-# ``inside``: the ``dynbatch`` column's median where it ran beside, the same grad compiled
-# with the model.  Torch's share is what any backend's node pays; dynbatch's is what
-# dynbatch can cut.
-
-class OutsideSplit:
-    """Each ``dynbatch_outside`` call's phases (NOTE [An outside call, phase by phase])."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[float, ...]] = []  # (whole, forward, torch's, dynbatch's, programs) per call
-        self._call: dict[str, float] | None = None  # the call being timed: its stamps and sums
-        self._depth = 0  # 1 while dynbatch's backward runs (a backward may reach another)
-        self._in_program = False  # an Inductor program runs (a chunked one calls others)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        from torch._dynamo.eval_frame import OptimizedModule
-        from torch._inductor.output_code import CompiledFxGraph
-
-        from dynbatch import region_direct, region_program
-
-        def forward(real: Callable[..., Any]) -> Callable[..., Any]:
-            """The compiled model's call (an OptimizedModule's): its seconds."""
-            def run(*args, **kwargs):
-                if self._call is None or self._depth:
-                    return real(*args, **kwargs)
-                start = time.perf_counter()
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    self._call["forward"] = self._call.get("forward", 0.0) + time.perf_counter() - start
-
-            return run
-
-        def backward(real: Callable[..., Any]) -> Callable[..., Any]:
-            """dynbatch's backward: its outermost calls' seconds."""
-            def run(*args, **kwargs):
-                if self._call is None or self._depth:
-                    return real(*args, **kwargs)
-                self._depth = 1
-                start = time.perf_counter()
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    self._call["dynbatch"] = self._call.get("dynbatch", 0.0) + time.perf_counter() - start
-                    self._depth = 0
-
-            return run
-
-        def program(real: Callable[..., Any]) -> Callable[..., Any]:
-            """An Inductor program that dynbatch's backward runs: its outermost calls' seconds."""
-            def run(*args, **kwargs):
-                if self._call is None or not self._depth or self._in_program:
-                    return real(*args, **kwargs)
-                self._in_program = True
-                start = time.perf_counter()
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    self._call["programs"] = self._call.get("programs", 0.0) + time.perf_counter() - start
-                    self._in_program = False
-
-            return run
-
-        # Not torch.autograd.grad: the dynbatch column's program traces it, and Dynamo would
-        # compile that program again for a wrapper in its place.
-        patches = [(OptimizedModule, "__call__", forward(OptimizedModule.__call__)),
-                   (region_direct.Direct, "backward", backward(region_direct.Direct.backward)),
-                   (region_program._ProgramFunction, "backward",
-                    staticmethod(backward(region_program._ProgramFunction.backward))),
-                   (CompiledFxGraph, "__call__", program(CompiledFxGraph.__call__))]
-        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
-        try:
-            for owner, name, new in patches:
-                setattr(owner, name, new)
-            yield
-        finally:
-            for owner, name, old in saved:
-                setattr(owner, name, old)
-
-    def whole(self, call: Callable[[], Any]) -> Callable[[], Any]:
-        def run():
-            self._call = stamps = {}
-            start = time.perf_counter()
-            try:
-                result = call()
-            finally:
-                self._call = None
-            whole = time.perf_counter() - start
-            if "forward" in stamps:
-                forward, ours, programs = stamps["forward"], stamps.get("dynbatch", 0.0), stamps.get("programs", 0.0)
-                self.calls.append((whole, forward, whole - forward - ours, ours - programs, programs))
-            return result
-
-        return run
-
-    def row(self, problem: str, case: str, inside_us: float | None) -> dict[str, Any]:
-        """This case's medians in microseconds (None: no call reached the grad), beside the
-        inside column's median: a row of ``--out``'s ``outside_phases``."""
-        medians = [_median_us(list(phase)) for phase in zip(*self.calls)] if self.calls else [None] * 5
-        return {"problem": problem, "case": case, **dict(zip(PHASE_KEYS, medians)), "inside_us": inside_us}
-
-
-# An OutsideSplit row's medians, in the order of OutsideSplit.calls' tuples.
-PHASE_KEYS = ("whole_us", "forward_us", "torch_us", "dynbatch_us", "programs_us")
-PHASE_HEADER = ("problem", "case", "whole us", "forward us", "torch's grad us", "dynbatch's backward us",
-                "backward programs us", "inside us", "whole / inside", "less dynbatch's backward / inside")
-ONE_MS_US = 1000.0  # the issue's bar for an outside call holds per case from an inside call of 1 ms
-
-
-def phase_ratios(row: dict[str, Any]) -> tuple[float, float] | None:
-    """(whole / inside, (whole - dynbatch's backward) / inside): the call, and the call were
-    dynbatch's plumbing free (its programs kept), over the grad inside; None: no figures."""
-    whole, ours, inside = row["whole_us"], row["dynbatch_us"], row["inside_us"]
-    if not whole or not inside or ours is None:
-        return None
-    return whole / inside, (whole - ours) / inside
-
-
-def phase_text(row: dict[str, Any]) -> list[str]:
-    """A row of ``outside_phases`` as the table shows it (the ratios computed here)."""
-    ratios = phase_ratios(row)
-    shown = ["–", "–"] if ratios is None else [f"×{r:.2f}" for r in ratios]
-    return [row["problem"], row["case"], *(_fmt(row[k]) for k in PHASE_KEYS), _fmt(row["inside_us"]), *shown]
-
-
-def phase_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """The two ratios' geometric means, and the cases from an inside call of 1 ms over ×1.2."""
-    ratios = [(row, r) for row in rows if (r := phase_ratios(row)) is not None]
-    if not ratios:
-        return []
-    large = [(row, r) for row, r in ratios if row["inside_us"] >= ONE_MS_US]
-
-    def geomean(values: list[float]) -> float:
-        return math.exp(sum(math.log(v) for v in values) / len(values))
-
-    return [f"Over {len(ratios)} cases, whole / inside: geometric mean ×{geomean([r[0] for _, r in ratios]):.2f}; "
-            f"less dynbatch's backward: ×{geomean([r[1] for _, r in ratios]):.2f}. "
-            f"Of the {len(large)} cases whose inside call takes 1 ms or more, over ×1.2: "
-            f"{sum(r[0] > 1.2 for _, r in large)}, and {sum(r[1] > 1.2 for _, r in large)} "
-            "less dynbatch's backward."]
 
 
 # NOTE [A stack under differentiable outputs]
@@ -735,11 +580,3 @@ def fastest_product_s(op: str, shapes: tuple) -> float:
             lambda kernel=kernel: kernel(a, w.t()) for name, kernel in matmul_kernels.KERNELS.items()
             if matmul_kernels.available(name))]
     return min(statistics.median(measure.steady_times(kernel, lambda: None, REPLAY_BUDGET)) for kernel in kernels)
-
-
-def _median_us(times: list[float]) -> float:
-    return statistics.median(times) * 1e6
-
-
-def _fmt(us: float | None) -> str:
-    return "–" if us is None else f"{us:.1f}"

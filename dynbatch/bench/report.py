@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import mace_workload, training
-from .cells import columns, figure, ok, rows, same_memory_method
+from .cells import columns, figure, geomean, ok, rows, same_memory_method
 from .variants import COMPILED, REFERENCE
 
 OURS = "dynbatch"
@@ -37,10 +37,6 @@ def ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base <= 0:
         return None
     return value / base
-
-
-def geomean(ratios: list[float]) -> float:
-    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 def best_other(case: dict[str, Any], key: str, usable=lambda cell: True,
@@ -551,13 +547,13 @@ def ab_table(results: dict[str, Any]) -> str:
 def outside_phases_table(results: dict[str, Any]) -> str:
     """``python -m dynbatch.bench overhead --out``'s rows: each ``dynbatch_outside`` call by
     phase beside the grad inside the compiled function (NOTE [An outside call, phase by phase]
-    in overhead.py)."""
-    from . import overhead
+    in outside_phases.py)."""
+    from . import outside_phases as phases
 
     lines = ["`dynbatch_outside`'s calls by phase, medians in µs, interleaved with `dynbatch`'s.", "",
-             "| " + " | ".join(overhead.PHASE_HEADER) + " |", "|" + "---|" * len(overhead.PHASE_HEADER)]
-    lines += ["| " + " | ".join(overhead.phase_text(row)) + " |" for row in results["outside_phases"]]
-    return "\n".join([*lines, "", *overhead.phase_summary(results["outside_phases"])])
+             "| " + " | ".join(phases.PHASE_HEADER) + " |", "|" + "---|" * len(phases.PHASE_HEADER)]
+    lines += ["| " + " | ".join(phases.phase_text(row)) + " |" for row in results["outside_phases"]]
+    return "\n".join([*lines, "", *phases.phase_summary(results["outside_phases"])])
 
 
 def overhead_table(results: dict[str, Any]) -> str:
