@@ -163,7 +163,7 @@ def phase_summary(rows: list[dict[str, Any]]) -> list[str]:
         return []
     large = [(row, r) for row, r in ratios if row["inside_us"] >= ONE_MS_US]
 
-    return [f"Over {len(ratios)} cases, whole / inside: geometric mean ×{geomean([r[0] for _, r in ratios]):.2f}; "
+    return [f"Over {len(ratios)} case{'s' * (len(ratios) != 1)}, whole / inside: geometric mean ×{geomean([r[0] for _, r in ratios]):.2f}; "
             f"less dynbatch's backward: ×{geomean([r[1] for _, r in ratios]):.2f}. "
             f"Of the {len(large)} cases whose inside call takes 1 ms or more, over ×1.2: "
             f"{sum(r[0] > 1.2 for _, r in large)}, and {sum(r[1] > 1.2 for _, r in large)} "
