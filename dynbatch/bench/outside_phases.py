@@ -163,8 +163,9 @@ def phase_summary(rows: list[dict[str, Any]]) -> list[str]:
         return []
     large = [(row, r) for row, r in ratios if row["inside_us"] >= ONE_MS_US]
 
-    return [f"Over {len(ratios)} case{'s' * (len(ratios) != 1)}, whole / inside: geometric mean ×{geomean([r[0] for _, r in ratios]):.2f}; "
-            f"less dynbatch's backward: ×{geomean([r[1] for _, r in ratios]):.2f}. "
+    whole, less = (geomean([r[k] for _, r in ratios]) for k in (0, 1))
+    return [f"Over {len(ratios)} case{'s' * (len(ratios) != 1)}, whole / inside: geometric mean ×{whole:.2f}; "
+            f"less dynbatch's backward: ×{less:.2f}. "
             f"Of the {len(large)} cases whose inside call takes 1 ms or more, over ×1.2: "
             f"{sum(r[0] > 1.2 for _, r in large)}, and {sum(r[1] > 1.2 for _, r in large)} "
             "less dynbatch's backward."]
