@@ -84,6 +84,14 @@ def dynamo_exceptions() -> Any:
     return exc
 
 
+def graph_break(gb_type: str, *, context: str, explanation: str) -> None:
+    """Break Dynamo's graph at the call being traced, as its own handlers do: ``unimplemented``
+    takes keywords from 2.12 on; 2.11 names it ``unimplemented_v2``."""
+    exc = dynamo_exceptions()
+    unimplemented = getattr(exc, "unimplemented_v2", None) or exc.unimplemented
+    unimplemented(gb_type=f"dynbatch: {gb_type}", context=context, explanation=explanation, hints=[])
+
+
 def register_backend(fn: Callable, name: str) -> None:
     """``register_backend`` unless ``name`` has a compiler already (registering twice raises).
     ``_COMPILER_FNS`` holds the loaded ones on 2.11-2.14; ``_BACKENDS`` cannot tell (it may

@@ -143,6 +143,7 @@ def capture_scope():
         soft("one mapped call for a chunked torch.vmap",
              lambda: dynamo_substitutes(_compat.functorch_vmap_module().vmap_impl, vmap_in_one_call)),
         soft("one graph where a grad consumes what the frame returns", _returned_graphs_stay_whole),
+        soft("a backward() through another frame's graph runs eagerly", _backward_across_frames_breaks),
         soft("tracing requires_grad_() (torch 2.11)",
              requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),
         # after the line above: inputs here, the rest passed on to it
@@ -228,6 +229,88 @@ def _returned_graphs_stay_whole():
         yield
     finally:
         setattr(OutputGraph, name, original)
+
+
+@contextlib.contextmanager
+def _backward_across_frames_breaks():
+    """NOTE [A backward across frames]
+
+    With ``trace_autograd_ops`` on (stage 1's first change), Dynamo traces
+    ``loss.backward()`` as ``torch.autograd.grad`` w.r.t. the leaves *this frame*
+    knows, then ``accumulate_grad_`` into each (``TensorVariable.method_backward``).
+    Where the loss's history runs through another frame's graph -- a graph break in
+    the model, or between the forward and ``backward()`` -- the leaves there are not
+    this frame's: with none here Dynamo traces nothing at all, and every parameter's
+    ``.grad`` stays None, silently (stock Dynamo graph-breaks on ``backward()`` and
+    eager's engine reaches them all).  So a ``backward()`` whose loss reaches a grad_fn
+    made outside the frame graph-breaks here: eager's engine runs it, through each
+    region's backward (NOTE [Region backward] in region.py).  A backward whose history
+    is all in the frame stays in the graph (a training step compiled whole)."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = TensorVariable.__dict__.get("method_backward")
+    if original is None:  # a torch that does not trace backward(): it graph-breaks already
+        yield
+        return
+
+    @functools.wraps(original)
+    def method_backward(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        outside = _grad_fns_outside_frame(self, tx)
+        if outside:
+            _compat.graph_break(
+                "backward() through another frame's graph",
+                context=f"the loss's history reaches {', '.join(outside)}",
+                explanation="backward() would reach leaves that another compiled graph or eager code uses; "
+                            "dynbatch runs it eagerly so that every one gets its grad")
+        return original(self, tx, *args, **kwargs)
+
+    # 2.14 dispatches named methods through a table of its own (``tp_methods``).
+    table = getattr(TensorVariable, "tp_methods", {})
+    entry = table.get("backward")
+    TensorVariable.method_backward = method_backward
+    if entry is not None:
+        table["backward"] = type(entry)(method_backward)
+    try:
+        yield
+    finally:
+        TensorVariable.method_backward = original
+        if entry is not None:
+            table["backward"] = entry
+
+
+def _grad_fns_outside_frame(var: Any, tx: Any) -> list[str]:
+    """Sources of the frame's inputs whose grad_fn (made outside the frame) the tensor
+    variable ``var``'s autograd history reaches, walked on the fake tensors."""
+    from torch._dynamo.variables import TensorVariable
+
+    external: dict[Any, str] = {}
+    for source, input_var in tx.output.input_source_to_var.items():
+        value = _example_value(input_var) if isinstance(input_var, TensorVariable) else None
+        if value is None:
+            continue
+        for grad_fn in (value.grad_fn, value._base.grad_fn if value._base is not None else None):
+            if grad_fn is not None:
+                external[grad_fn] = getattr(source, "name", str(source))
+    value = _example_value(var)
+    if not external or value is None or value.grad_fn is None:
+        return []
+    reached, seen, stack = [], set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in external:
+            reached.append(external[node])
+            continue  # what lies beyond is outside the frame
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
+def _example_value(var: Any) -> torch.Tensor | None:
+    node = var.as_proxy().node
+    value = node.meta.get("example_value") if node is not None else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 @contextlib.contextmanager
