@@ -266,6 +266,22 @@ def rewrap_batched(value: torch.Tensor, bdim: int, level: int) -> torch.Tensor:
     return _functorch._add_batch_dim(value, bdim, level)
 
 
+def only_transform_is(level: int) -> bool:
+    """Is the functorch transform at ``level`` the only one active (the top of a stack of one)?"""
+    from torch._C import _functorch
+
+    stack = _functorch.get_interpreter_stack()
+    return stack is not None and len(stack) == 1 and stack[0].level() == level
+
+
+def outside_functorch() -> Any:
+    """A context without the top functorch transform: plain tensors dispatch as plain, and
+    Dynamo compiles frames (it steps aside while a transform is active)."""
+    from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+
+    return temporarily_pop_interpreter_stack()
+
+
 def below_vmap() -> Any:
     """Dispatch past functorch's batching layer (inside a batching rule)."""
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)

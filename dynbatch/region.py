@@ -36,7 +36,9 @@ backward picks a path by what it receives (region_backward.backward):
   ``create_graph=True``, in one graph), whose result is differentiable through
   the same machinery: any order runs compiled (NOTE [Compiled create_graph] in
   region_program.py);
-- batched grads from ``torch.func.vmap``, and ``create_graph=True`` where the
+- batched grads from a ``torch.func.vmap`` that is the only transform active: the
+  same two paths, with the vmap popped for the call (MACE's Hessian idiom);
+- batched grads from a ``torch.func.vmap`` under another transform, and ``create_graph=True`` where the
   compiled vjp does not apply (batched or dual grads, a functorch transform
   active, a vjp that failed to compile): the program is re-run eagerly on the
   saved inputs and differentiated with eager's autograd (correct to any order;

@@ -52,8 +52,8 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
         program.missed = program.missed or torch.is_grad_enabled() or all(k < first_grad for k, _ in out_grads)
     if torch.is_grad_enabled():
         return create_graph_backward(program, inputs, others, out_grads, needed, batching)
-    if batching is not None and batching.kind == "legacy" and not program.random_ops:
-        with batching.unwrapped(out_grads) as (physical, batch_size, rewrap):
+    if batching is not None and batching.compiled_outside() and not program.random_ops:
+        with batching.unwrapped(out_grads, leave_vmap=True) as (physical, batch_size, rewrap):
             grads, counter = _legacy_batched(program, inputs, others, physical, needed, batch_size,
                                              lambda: call or aot_call_over_leaves(inner, leaves))
         if grads is not None:

@@ -24,19 +24,27 @@ class Batching:
         # id(grad) -> (grad, its physical tensor): legacy unwraps batching_of already made.
         self._physical = physical or {}
 
-    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]]) -> "_Unwrapped":
+    def unwrapped(self, out_grads: list[tuple[int, torch.Tensor]], leave_vmap: bool = False) -> "_Unwrapped":
         """A context that yields (``[(i, physical [B, ...] grad)]``, B, rewrap) outside this
         vmap level.
 
         Grads not batched at this level are expanded to B.  ``rewrap`` turns
-        physical [B, ...] results (or None) back into batched tensors.
+        physical [B, ...] results (or None) back into batched tensors.  Legacy vmap is
+        always left for the block; torch.func's only with ``leave_vmap`` (where
+        ``compiled_outside`` holds), so that compiled programs run on the physical grads.
         """
         physical = [(i, self._unwrap(g)) for i, g in out_grads]
         batched = [self._is_batched(g) for _, g in out_grads]
         batch_size = next(p.shape[0] for (_, p), b in zip(physical, batched) if b)
         if not all(batched):
             physical = [(i, p if b else p.expand(batch_size, *p.shape)) for (i, p), b in zip(physical, batched)]
-        return _Unwrapped(self, physical, batch_size)
+        return _Unwrapped(self, physical, batch_size, leave_vmap)
+
+    def compiled_outside(self) -> bool:
+        """Can the batched grads run compiled, outside this vmap?  Legacy vmap: yes.
+        torch.func's: where its vmap is the only transform active (MACE's Hessian,
+        ``torch.vmap`` over a vjp); beneath another, the region's inputs are wrapped too."""
+        return self.kind == "legacy" or (self.kind == "functorch" and _compat.only_transform_is(self.level))
 
     def _is_batched(self, g: torch.Tensor) -> bool:
         if self.kind == "legacy":
@@ -66,9 +74,10 @@ class _Unwrapped:
     (Inductor draws some while it compiles) in every tensor op, batched or not: left
     for the block."""
 
-    def __init__(self, batching: Batching, physical: list, batch_size: int) -> None:
+    def __init__(self, batching: Batching, physical: list, batch_size: int, leave_vmap: bool) -> None:
         self.batching, self.physical, self.batch_size = batching, physical, batch_size
-        self.outside = _compat.outside_legacy_vmap() if batching.kind == "legacy" else None
+        self.outside = (_compat.outside_legacy_vmap() if batching.kind == "legacy"
+                        else _compat.outside_functorch() if leave_vmap else None)
 
     def __enter__(self) -> tuple[list, int, Callable[[tuple], tuple]]:
         if self.outside is not None:

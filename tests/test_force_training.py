@@ -165,6 +165,27 @@ def test_third_order_through_a_compiled_model_runs_compiled():
     assert c.get("outside_vjp_compiled", 0) >= 2 and c.get("outside_eager", 0) == 0, c
 
 
+def test_maces_vmap_hessian_over_a_compiled_models_forces_runs_compiled():
+    """MACE's Hessian idiom, ``torch.vmap`` over a vjp of the forces, around a compiled
+    model: the backward leaves the vmap and runs a batched program (B symbolic), not the
+    eager re-run; the rows of a second molecule size compile no new batched program."""
+    eager, twin = models(PairPotential)
+    compiled = compile_dynbatch(twin)
+
+    def hessian(model, pos):
+        pos = pos.clone().requires_grad_()
+        forces = -grad(model(pos), pos, create_graph=True)[0]
+        basis = torch.eye(pos.numel(), dtype=pos.dtype).reshape(-1, *pos.shape)
+        return torch.vmap(lambda v: grad(-forces, pos, v, retain_graph=True)[0])(basis)
+
+    for call in range(4):
+        pos = positions(5, seed=call)
+        assert_same_grads(hessian(compiled, pos), hessian(eager, pos), msg=f"call {call}")
+    c = paths()
+    assert c.get("outside_eager", 0) == 0, c
+    assert c.get("outside_batched_saved", 0) + c.get("outside_batched_compiled", 0) == 4, c
+
+
 @pytest.mark.parametrize("cls", [ForcesInForward, ForcesByAttribute], ids=["requires_grad_", "attribute"])
 def test_requires_grad_of_an_input_inside_the_forward_is_one_graph(cls):
     eager, twin = models(cls)

@@ -315,7 +315,15 @@ def test_torch_func_transforms_over_a_compiled_model(transform):
         V = torch.randn(5, 2, 3, dtype=torch.float64)
         got = torch.func.vmap(lambda v: grad(out, xr, v, retain_graph=True)[0])(V)
         want = torch.func.vmap(lambda v: grad(want_out, xr, v, retain_graph=True)[0])(V)
-        assert paths() == {"outside_eager": 1}
+        # The vmap is left for the backward: the saved activations' program, B symbolic.
+        assert paths() == {"outside_batched_saved": 1}
+        before = dynbatch.counters()
+        again = torch.func.vmap(lambda v: grad(out, xr, v, retain_graph=True)[0])(V[:3])
+        assert_same_grads(again, want[:3])
+        after = dynbatch.counters()
+        assert after["outside_batched_saved"] == 2
+        assert {k: v for k, v in after.items() if k != "outside_batched_saved"} == \
+            {k: v for k, v in before.items() if k != "outside_batched_saved"}  # nothing compiled
     else:
         wrap = {"jacrev": torch.func.jacrev, "jacfwd": torch.func.jacfwd,
                 "hessian": lambda f: torch.func.hessian(lambda t: f(t).pow(2).sum())}[transform]
