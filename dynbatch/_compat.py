@@ -168,21 +168,19 @@ def aot_config_patch(**settings: Any) -> Any:
     return aot_config.patch(**{k: v for k, v in settings.items() if hasattr(aot_config, k)})
 
 
-@contextlib.contextmanager
-def donated_buffers_off() -> Iterator[None]:
-    """AOTAutograd's global ``donated_buffer`` off, for a backward that retains
-    its graph (checked at backward time).  Runs on every region backward, so it
-    sets the flag rather than ``config.patch`` (which builds a class per call)."""
-    import torch._functorch.config as aot_config
-
-    if not getattr(aot_config, "donated_buffer", False):
-        yield
-        return
-    aot_config.donated_buffer = False
-    try:
-        yield
-    finally:
-        aot_config.donated_buffer = True
+def aot_records_no_donated_buffers() -> None:
+    """While AOTAutograd compiles a graph with ``donated_buffer=False``: record on its
+    metadata that the backward has no donated buffers (``bw_donated_idxs = []``).
+    AOTAutograd leaves None there, and its backward refuses ``retain_graph`` and
+    ``create_graph`` unless the list is empty whenever the *global* flag is on at backward
+    time; from torch 2.13 it reads the flag in the context the running backward copied
+    when it started, where no toggle inside a region's backward reaches.  A lazily
+    compiled backward first run with ``retain_graph`` sets [] itself; one compiled
+    eagerly (symbolic sizes) or first run without it kept None."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None and getattr(meta, "bw_donated_idxs", ()) is None:
+        meta.bw_donated_idxs = []
 
 
 def aot_mutates_differentiable_input() -> bool:

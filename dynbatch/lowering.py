@@ -37,7 +37,8 @@ def lower(
 ) -> Callable[..., Any]:
     """Raises memory.Replan when the plan wants grads chunked (the backend rewrites and lowers again)."""
     # A backward taken from outside may run the compiled backward with
-    # retain_graph=True (region.py), which donated buffers forbid.  AOTAutograd's
+    # retain_graph=True (region.py), which donated buffers forbid (and _remember
+    # records that there are none, _compat.aot_records_no_donated_buffers).  AOTAutograd's
     # cache would skip the trace, and with it what the inner compiler records of
     # each graph (_remember: random ops, inputs written in place, the memory plan),
     # which decides how a grad from outside is computed: a graph from it must not
@@ -184,6 +185,9 @@ def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_
     record.random_ops = tuple(sorted(set(record.random_ops) | set(random_ops(gm))))
     record.mutates_differentiable_input |= _compat.aot_mutates_differentiable_input()
     record.mutated_inputs = tuple(sorted(set(record.mutated_inputs) | set(_compat.aot_mutated_inputs())))
+    # Compiled without donated buffers (lower): say so, or AOTAutograd's backward may still
+    # refuse retain_graph/create_graph by the global flag.
+    _compat.aot_records_no_donated_buffers()
 
 
 def random_ops(gm: torch.fx.GraphModule) -> list[str]:

@@ -14,7 +14,6 @@ Called by a program's node (region_program.py) and by AOTAutograd's routed node
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 
@@ -182,13 +181,12 @@ def _inner_backward(inner, leaves, outputs, needed, grads, again: bool = False):
     ``again``: this backward runs it once more (per-sample grads)."""
     # The inner graph keeps what the caller's graph keeps (NOTE [Inner graph's lifetime]).
     keep = again or _compat.backward_keeps_graph()
-    with _compat.donated_buffers_off() if keep else contextlib.nullcontext():
-        if not again:
-            direct = backward_called_directly(inner, outputs, grads, leaves, needed)
-            if direct is not None:
-                return direct
-        return spread(torch.autograd.grad([inner[k] for k in outputs], select(leaves, needed), grads,
-                                          retain_graph=keep, allow_unused=True), needed)
+    if not again:
+        direct = backward_called_directly(inner, outputs, grads, leaves, needed)
+        if direct is not None:
+            return direct
+    return spread(torch.autograd.grad([inner[k] for k in outputs], select(leaves, needed), grads,
+                                      retain_graph=keep, allow_unused=True), needed)
 
 
 def _per_sample(batching, out_grads, grad_fn):
