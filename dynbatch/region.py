@@ -134,10 +134,11 @@ class Region:
             compiled=lambda inputs, others: self.compiled(*merge(is_input, inputs, others)),
             random_ops=tuple(random_ops), region=self, written=tuple(others_at.index(i) for i in self.mutated),
             options=options, recompute_batched=_why_batched_grads_recompute(self.gm),
-            measure_batched=any(batching.creates_graph(node) for node in self.gm.graph.nodes))
+            creates_graph=any(batching.creates_graph(node) for node in self.gm.graph.nodes))
         # The forward that also returns the grads a create_graph backward asked for
         # (NOTE [Forces at forward time] in region_create_graph.py); None until one has.
         self.with_grads: Program | None = None
+        self._with_grads_programs: dict[tuple, Program] = {}
         # AOTAutograd's node in the caller's graph (NOTE [AOTAutograd's node in the
         # caller's graph]): learnt on the first call through the program's node.
         self.direct: region_direct.Direct | None = None
@@ -183,7 +184,7 @@ class Region:
             except Exception as e:  # noqa: BLE001 - the plain forward below is always right
                 log.warning("dynbatch: compiling a forward that returns its grads failed, running the "
                             "graph alone: %s: %s", type(e).__name__, e)
-                self.with_grads = None
+                self.with_grads.failed, self.with_grads = f"{type(e).__name__}: {e}", None
         return self.program(inputs, others, saved)
 
     def _as_they_are(self, args: Sequence[Any]) -> list[Any] | None:
@@ -222,17 +223,26 @@ class Region:
         finally:
             self.compiled = real
 
-    def learn_grads_at_forward(self, out_grads, needed) -> None:
-        """After a create_graph backward that one output of one element received:
-        compute those grads in the forward from now on (NOTE [Forces at forward time] in
-        region_create_graph.py)."""
+    def learn_grads_at_forward(self, out_grads, needed) -> Program | None:
+        """At a create_graph backward that one output of one element received: compute
+        those grads in the forward from now on (NOTE [Forces at forward time] in
+        region_create_graph.py).  The program for them, or None where none applies; one per
+        output and set of grads, kept, so that learning them again compiles nothing."""
         if len(out_grads) != 1 or out_grads[0][1].numel() != 1:
-            return
+            return None
         (index, _), = out_grads
-        self.with_grads = Program(with_grads_of(self.program.python, index, needed), self.program.recompile,
-                                  "forward_with_grads", linear=(index, needed, self.n_outputs),
-                                  written=self.program.written, options=self.program.options,
-                                  recompute_batched=self.program.recompute_batched, measure_batched=True)
+        key = (index, needed)
+        program = self._with_grads_programs.get(key)
+        if program is not None and program.failed:
+            return None
+        if program is None:
+            program = self._with_grads_programs[key] = Program(
+                with_grads_of(self.program.python, index, needed), self.program.recompile, "forward_with_grads",
+                linear=(index, needed, self.n_outputs), written=self.program.written, options=self.program.options,
+                recompute_batched=self.program.recompute_batched, creates_graph=True)
+        program.missed = False
+        self.with_grads = program
+        return program
 
     def learn_direct(self, outs: Sequence[Any], diff: Sequence[int], leaves: Sequence[torch.Tensor],
                      others: Sequence[Any]) -> None:

@@ -73,98 +73,31 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
 
 def _legacy_batched(program, inputs, others, physical, needed, batch_size, aot_call) -> tuple:
     """(grads, counter) of a legacy-batched backward: from the saved activations (NOTE
-    [Batched grads from the saved activations] in region_saved_backward.py) or the program's
-    compiled batched backward, which recomputes the forward; measured where neither is
-    always faster (NOTE [Saved or recomputed, measured])."""
-    trial = _trial(program, physical, needed, batch_size)
-    if trial is None or trial.wants_saved():
-        start = time.perf_counter()
+    [Batched grads from the saved activations] in region_saved_backward.py) wherever they
+    apply, else the program's compiled batched backward, which recomputes the forward.  The
+    choice is fixed by the program and the device, before anything compiles (NOTE [One path
+    per request])."""
+    if not (program.creates_graph and any(g.device.type != "cpu" for _, g in physical)):
         grads = batched_grads(program, aot_call(), physical, needed, batch_size)
-        if trial is not None:
-            trial.took(SAVED, None if grads is None else time.perf_counter() - start, program)
         if grads is not None:
             return grads, SAVED
-    start = time.perf_counter()
-    grads = program.compiled_backward(inputs, others, physical, needed, batched=True)
-    if trial is not None and grads is not None:
-        trial.took(BATCHED, time.perf_counter() - start, program)
-    return grads, BATCHED
+    return program.compiled_backward(inputs, others, physical, needed, batched=True), BATCHED
 
 
-# NOTE [Saved or recomputed, measured]
-# A graph that takes create_graph grads itself (forces in a force field's forward, an HVP's
-# gradient) has a double backward for AOTAutograd's backward graph.  Vmapped over the
-# cotangents from the saved activations it skips the forward and first backward that the
-# recompute path runs again, but it reads every activation the forward saved, where the
-# recompute path's program fuses them.  Timed in turn in one process on one core (glibc's
-# mmap threshold raised, else its page faults swamp the difference): ×0.84-0.89 of the
-# recompute's time on the benchmark's HVPs (K = 8), Laplacian and LJ N = 24, ×0.96-1.00 on its
-# Hessian rows and LJ N = 100; ×1.22 on MACE's Hessian rows (one run, glibc as it is).  So such
-# a region measures both.  Its first calls
-# (per set of grads and B's power of two) take the recompute path, which a one-off call (a
-# Hessian computed once) then never leaves: nothing else compiles.  After WARM of them the
-# saved activations' program compiles and runs WARM calls; a path's first calls compile it
-# and let the product router measure its kernels (matmul_kernels.py), several times a
-# product's own time.  Then the two alternate, TIMED calls each, and the faster by its best
-# time answers the later calls; where the saved path does not apply, the recompute path
-# does.  Timing needs the kernels finished: off the CPU (CUDA's calls return before their
-# kernels) the recompute path stays (a synchronizing trial is what the CUDA sync test
-# forbids; not measured on a card).
-WARM = 2  # untimed calls of each path: its compile, the router's measurements
-TIMED = 3  # timed calls of each path, alternating, before the choice
-
-
-class _Trial:
-    """The two batched paths' times for one set of grads and B's power of two, then the choice."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {SAVED: [], BATCHED: []}
-        self.calls = {SAVED: 0, BATCHED: 0}
-        self.chosen: str | None = None
-
-    def wants_saved(self) -> bool:
-        if self.chosen is not None:
-            return self.chosen == SAVED
-        if self.calls[BATCHED] < WARM:
-            return False
-        if self.calls[SAVED] < WARM:
-            return True
-        return len(self.times[SAVED]) <= len(self.times[BATCHED])
-
-    def took(self, path: str, seconds: float | None, program) -> None:
-        """One call of ``path`` took ``seconds`` (None: the saved path did not apply)."""
-        if self.chosen is not None:
-            return
-        if seconds is None:
-            self.chosen = BATCHED
-            return
-        self.calls[path] += 1
-        if self.calls[path] > WARM:
-            self.times[path].append(seconds)
-        if all(len(t) >= TIMED for t in self.times.values()):
-            best = {p: min(t) for p, t in self.times.items()}
-            self.chosen = min(best, key=best.get)
-            program.log_once(f"measured {id(self)}", "dynbatch: batched grads through a graph that takes "
-                             "create_graph grads itself: from the saved activations %.3g ms, recomputing its "
-                             "forward %.3g ms; taking %s", best[SAVED] * 1e3, best[BATCHED] * 1e3,
-                             "the saved activations" if self.chosen == SAVED else "the recompute")
-
-
-_NOT_TIMED = _Trial()
-_NOT_TIMED.chosen = BATCHED  # off the CPU (NOTE [Saved or recomputed, measured])
-
-
-def _trial(program, physical, needed, batch_size) -> _Trial | None:
-    """The trial of this call's set of grads and B, where the program measures its paths."""
-    if not program.measure_batched or program.recompute_batched is not None:
-        return None
-    if any(g.device.type != "cpu" for _, g in physical):
-        return _NOT_TIMED
-    key = (needed, max(batch_size, 1).bit_length())
-    trial = program.batched_choice.get(key)
-    if trial is None:  # not setdefault: that builds a _Trial on every call
-        trial = program.batched_choice[key] = _Trial()
-    return trial
+# NOTE [One path per request]
+# What a backward receives (plain, batched by eager or by one torch.vmap, create_graph) and
+# which grads it asks for decide its program, and its first call compiles it; later calls
+# reuse it.  A legacy-batched backward takes the saved activations wherever they apply.  For
+# a graph that takes create_graph grads itself (forces in a force field's forward, an HVP's
+# gradient) that is the double backward of AOTAutograd's backward graph: it skips the forward
+# and first backward that the recompute path runs again, but reads every activation the
+# forward saved, where the recompute's program fuses them.  Timed in turn in one process on
+# one core (2026-11, the development CPU): x0.84-0.89 of the recompute's time on the
+# benchmark's HVPs, Laplacian and LJ N = 24, x0.96-1.00 on its Hessian rows and LJ N = 100,
+# x1.22 on MACE's Hessian rows.  An earlier build measured both paths per region and kept
+# the faster; that compiled a second program for every such region and changed path on its
+# fifth call, for a few percent, so the saved activations answer.  Off the CPU such a graph
+# recomputes (the saved double backward was never measured on a card).
 
 
 # NOTE [Inner graph's lifetime]

@@ -9,6 +9,7 @@ apply.  A graph that draws random numbers cannot be re-run, and says so.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from . import _compat
 from .records import STATS
 from .region_args import select, spread, why_run_eagerly
+
+log = logging.getLogger("dynbatch")
 
 # Counter names (dynbatch.counters()): a create_graph backward answered by the compiled vjp,
 # by the grads computed at forward time, or (also batched grads region_backward cannot
@@ -28,11 +31,13 @@ def create_graph_backward(program, inputs, others, out_grads, needed, batching):
     program.refuse_rerun_if_random()
     reason = why_vjp_runs_eagerly(batching, inputs, out_grads)
     if reason is None:
+        grads = _from_a_forward_with_grads(program, inputs, others, out_grads, needed)
+        if grads is not None:
+            STATS.count(FORWARD_GRADS)
+            return grads
         grads = program.compiled_backward(inputs, others, out_grads, needed, batched=False)
         if grads is not None:
             STATS.count(VJP)
-            if program.region is not None:
-                program.region.learn_grads_at_forward(out_grads, needed)
             return grads
         reason = "its compiled vjp failed"
     program.log_once(f"create_graph: {reason}", "dynbatch: create_graph=True through a compiled graph: "
@@ -76,6 +81,48 @@ def with_grads_of(program: Callable, index: int, needed: tuple[bool, ...]) -> Ca
         return (*outs, *grads)
 
     return forward_with_grads
+
+
+def _from_a_forward_with_grads(program, inputs, others, out_grads, needed):
+    """The first create_graph backward of a region's one-element output: the forward that
+    returns its grads (NOTE [Forces at forward time]), re-run now on the saved inputs, its
+    grads scaled.  The region's later forwards run the same program, so the batched grads of
+    those grads (a Hessian's rows) take the same programs at every call: nothing compiles
+    twice.  None where it does not apply (the compiled vjp answers)."""
+    region = program.region
+    with_grads = region.learn_grads_at_forward(out_grads, needed) if region is not None else None
+    if with_grads is None:
+        return None
+    try:
+        if with_grads.grads_ignore is None:
+            with_grads.grads_ignore = _inputs_the_grads_ignore(with_grads, inputs, others)
+        outs = with_grads(inputs, program._for_a_recompute(others), others)
+    except Exception as e:  # noqa: BLE001 - the compiled vjp or the eager path is always right
+        log.warning("dynbatch: compiling a forward that returns its grads failed, using the vjp instead: "
+                    "%s: %s", type(e).__name__, e)
+        with_grads.failed, region.with_grads = f"{type(e).__name__}: {e}", None
+        return None
+    _, computed, first = with_grads.linear
+    scale = out_grads[0][1].reshape(())
+    return tuple(None if g is None else g * scale for g in spread(outs[first:], computed))
+
+
+def _inputs_the_grads_ignore(with_grads, inputs, others) -> tuple[bool, ...]:
+    """Per input, does no grad output of ``with_grads`` depend on it?  AOTAutograd's backward
+    of the forward that returns E and its grads materializes E's missing cotangent as zeros,
+    so an input only E depends on (a last bias, for forces) would get a zero grad where eager
+    gets None; its node answers None for those (``_ProgramFunction.backward``).  Read once,
+    from one eager run of the program and a grad of its grads."""
+    _, computed, first = with_grads.linear
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+    with torch.enable_grad():
+        grads = [g for g in with_grads.python(leaves, with_grads._for_a_recompute(others))[first:]
+                 if g is not None and g.requires_grad]
+        wanted = [t for t in leaves if t.requires_grad]
+        if not grads or not wanted:
+            return tuple(True for _ in leaves)
+        reached = iter(torch.autograd.grad(grads, wanted, [torch.ones_like(g) for g in grads], allow_unused=True))
+    return tuple(next(reached) is None if t.requires_grad else True for t in leaves)
 
 
 def grads_from_forward(program, out_grads, needed, batching, forward_grads):

@@ -43,19 +43,16 @@ class Program:
     def __init__(self, python: Callable, recompile: Callable[[Callable], Callable], name: str, *,
                  compiled: Callable | None = None, random_ops: tuple[str, ...] = (), region: Any = None,
                  linear: tuple[int, tuple[bool, ...], int] | None = None, written: tuple[int, ...] = (),
-                 options: Any = None, recompute_batched: str | None = None, measure_batched: bool = False) -> None:
+                 options: Any = None, recompute_batched: str | None = None, creates_graph: bool = False) -> None:
         self.python, self.name, self.recompile = python, name, recompile
         # The options.Options its graphs compile with (None: unknown): its batched backward from the
         # saved activations compiles with them too (region_saved_backward.py) ...
         self.options = options
         # ... unless this says why its batched backwards must recompute it (then its vjps' too).
         self.recompute_batched = recompute_batched
-        # Where both batched paths apply and neither is always faster (a graph that takes
-        # create_graph grads itself): their trials and choice per set of grads and B
-        # (region_backward.py, NOTE [Saved or recomputed, measured]); False: the saved path
-        # wherever it applies.
-        self.measure_batched = measure_batched
-        self.batched_choice: dict[tuple, Any] = {}
+        # The graph takes create_graph grads itself: off the CPU, its legacy-batched backwards
+        # recompute it (NOTE [One path per request] in region_backward.py).
+        self.creates_graph = creates_graph
         self._compiled = compiled
         self.random_ops = random_ops
         # Positions in ``others`` that the program writes in place (a BatchNorm's running
@@ -66,6 +63,9 @@ class Program:
         # (output, inputs, first grad): the outputs from "first grad" on are that
         # output's grads w.r.t. those inputs for a cotangent of ones.
         self.linear = linear
+        # Per input: no grad among those outputs depends on it (region_create_graph.py); None
+        # until read.
+        self.grads_ignore: tuple[bool, ...] | None = None
         self.missed = False  # a backward did not use those grads
         self.failed: str | None = None  # why compiling it failed, if it did
         self._vjps: dict[tuple, Program] = {}
@@ -85,7 +85,7 @@ class Program:
             self._vjps[key] = Program(_vjp_of(self.python, receives, needed, batched), self.recompile,
                                       "batched_backward" if batched else "vjp", written=self.written,
                                       options=self.options, recompute_batched=self.recompute_batched,
-                                      measure_batched=self.measure_batched)
+                                      creates_graph=self.creates_graph)
         return self._vjps[key]
 
     def __call__(self, inputs: Sequence[torch.Tensor], others: Sequence[Any],
@@ -288,4 +288,7 @@ class _ProgramFunction(torch.autograd.Function):
             return (None, None, None, *(None,) * len(ctx.others))
         grads_in = region_backward.backward(program, inputs, leaves, others, inner, out_grads, needed,
                                             forward_grads, ctx.first_grad)
+        if program.grads_ignore is not None and all(k >= ctx.first_grad for k, _ in out_grads):
+            # Eager's None, where AOTAutograd's backward gives zeros (_inputs_the_grads_ignore).
+            grads_in = tuple(None if ignored else g for g, ignored in zip(grads_in, program.grads_ignore))
         return (None, None, None, *grads_in, *(None,) * len(ctx.others))

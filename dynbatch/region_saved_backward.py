@@ -64,8 +64,8 @@ _PLAN_NAME = "saved_activations_backward"
 # recompute) -- or a call with autocast on, or with deterministic algorithms turned on since
 # the compile, goes to the recompute path (the reason logged once per region).  A region
 # that takes create_graph grads itself (forces in a force field's forward) has a double
-# backward for its backward graph, vmapped the same way where region_backward.py measured
-# it faster than the recompute (NOTE [Saved or recomputed, measured]).  (Inductor spent
+# backward for its backward graph, vmapped the same way on the CPU (NOTE [One path per
+# request] in region_backward.py).  (Inductor spent
 # over 17 minutes on that program for MACE's Hessian rows, in sympy's simplify of its C++
 # strides, until lowering.inductor_strides_without_full_simplify.)
 #

@@ -372,7 +372,7 @@ def test_force_training_through_a_compiled_model_on_cuda(inside):
     if inside:
         assert c.get("graphs") == 2 and c.get("outside_plain", 0) == 4, c
     else:
-        assert c.get("outside_vjp_compiled", 0) >= 1 and c.get("outside_grads_at_forward", 0) >= 2, c
+        assert c.get("outside_vjp_compiled", 0) == 0 and c.get("outside_grads_at_forward", 0) >= 2, c
 
 
 def test_batched_jacobian_of_a_compiled_module_on_cuda():

@@ -37,7 +37,7 @@ grad = torch.autograd.grad
 
 def paths() -> dict[str, int]:
     names = ("outside_plain", "outside_batched_saved", "outside_batched_compiled", "outside_vjp_compiled",
-             "outside_eager", "outside_per_sample", "eager_calls")
+             "outside_grads_at_forward", "outside_eager", "outside_per_sample", "eager_calls")
     return {k: v for k, v in dynbatch.counters().items() if k in names}
 
 
@@ -64,9 +64,10 @@ def test_hessian_of_a_compiled_function_is_not_zeros(vectorize):
     want = AF.hessian(narrow_exp, x, vectorize=vectorize)
     assert want.abs().sum() > 0
     assert_same_grads(got, want)
-    # The first grad is create_graph=True: a compiled vjp, whose own backward runs
-    # compiled too (vectorize: the vjp's batched backward).
-    want_paths = {"outside_vjp_compiled": 1,
+    # The first grad is create_graph=True of a scalar: the forward that returns its grads,
+    # run then (NOTE [Forces at forward time]), whose own backward runs compiled too
+    # (vectorize: its batched backward from the saved activations).
+    want_paths = {"outside_grads_at_forward": 1,
                   "outside_batched_saved" if vectorize else "outside_plain": 1 if vectorize else 5}
     assert paths() == want_paths, paths()
 
@@ -190,9 +191,9 @@ def test_batched_grad_of_a_create_graph_jacobian_returned_by_a_compiled_function
     V = torch.randn(6, *out.shape, dtype=torch.float64)
     assert_same_grads(grad(out, x, V, is_grads_batched=True)[0],
                       grad(inner(x), x, V, is_grads_batched=True)[0])
-    # A create_graph grad inside: its first calls recompute the forward (NOTE [Saved or
-    # recomputed, measured]).
-    assert paths() == {"outside_batched_compiled": 1}
+    # A create_graph grad inside: the double backward from the saved activations, on the CPU
+    # from the first call (NOTE [One path per request]).
+    assert paths() == {"outside_batched_saved": 1}
 
 
 def test_compiled_hessian_called_after_bad_input_is_not_zeros():

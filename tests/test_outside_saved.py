@@ -246,28 +246,10 @@ def test_a_graph_a_grad_inside_freed_recomputes_and_raises_as_eager():
     assert counts()["graphs"] == 1 and "outside_batched_saved" not in counts(), counts()
 
 
-@pytest.mark.parametrize("faster", ["saved", "recompute"])
-def test_forces_in_the_forward_measure_the_saved_activations_against_the_recompute(caplog, monkeypatch, faster):
+def test_forces_in_the_forward_take_the_saved_activations_from_the_first_call():
     # A force field that returns its forces (create_graph=True inside): AOTAutograd's
-    # backward graph is a double backward.  Its first calls recompute the forward; then the
-    # saved activations' program runs, both are timed in turn, and the faster answers the rest
-    # (NOTE [Saved or recomputed, measured]).  A clock the two paths advance by set costs
-    # makes the choice; every call equals eager.
-    from dynbatch import region_backward, region_program
-
-    costs = {"saved": 1.0, "recompute": 2.0} if faster == "saved" else {"saved": 2.0, "recompute": 1.0}
-    now = [0.0]
-
-    def costing(fn, path):
-        def call(*args, **kwargs):
-            now[0] += costs[path]
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(region_backward.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(region_backward, "batched_grads", costing(region_backward.batched_grads, "saved"))
-    monkeypatch.setattr(region_program.Program, "compiled_backward",
-                        costing(region_program.Program.compiled_backward, "recompute"))
+    # backward graph is a double backward, vmapped over the cotangents from the first call
+    # on; no call switches path and a repeat compiles nothing (NOTE [One path per request]).
     model = mlp()
 
     def energy_and_forces(pos):
@@ -277,23 +259,16 @@ def test_forces_in_the_forward_measure_the_saved_activations_against_the_recompu
 
     c = compile_dynbatch(energy_and_forces, fullgraph=False)
     pos = x64(5, 4, requires_grad=True)
-    V = torch.randn(6, 5, 4, dtype=torch.float64)
-    warm, timed = region_backward.WARM, region_backward.TIMED
-    # Each path's untimed calls (the recompute first), then the two alternating, timed.
-    schedule = ["recompute"] * warm + ["saved"] * warm + ["saved", "recompute"] * timed
-    trial = len(schedule)
-    paths = []
-    with caplog.at_level(logging.INFO, logger="dynbatch"):
-        for _ in range(trial + 3):
-            before = counts()
-            got = grad(c(pos)[1], pos, V, is_grads_batched=True)[0]
-            assert_same_grads(got, grad(energy_and_forces(pos)[1], pos, V, is_grads_batched=True)[0])
-            paths.append("saved" if counts().get("outside_batched_saved", 0) > before.get("outside_batched_saved", 0)
-                         else "recompute")
-    assert paths[:trial] == schedule, paths
-    assert paths[trial:] == [faster] * 3, paths
-    taking = "the saved activations" if faster == "saved" else "the recompute"
-    assert f"taking {taking}" in caplog.text, caplog.text
+    for call, batch in enumerate((6, 6, 3, 6)):
+        V = torch.randn(batch, 5, 4, dtype=torch.float64)
+        got = grad(c(pos)[1], pos, V, is_grads_batched=True)[0]
+        assert_same_grads(got, grad(energy_and_forces(pos)[1], pos, V, is_grads_batched=True)[0])
+        if call == 0:
+            first = counts()
+    c_now = counts()
+    assert c_now["outside_batched_saved"] == 4 and "outside_batched_compiled" not in c_now, c_now
+    assert c_now["saved_backward_programs"] == first["saved_backward_programs"] == 1, c_now
+    assert c_now["graphs"] == first["graphs"], (first, c_now)
 
 
 def test_softmax_backward_stays_one_program_across_batch_sizes():
