@@ -279,6 +279,20 @@ def fma(batch: Batch, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torc
     return _inductor_fma(aligned(a), aligned(b), aligned(c))
 
 
+def _convert_element_type(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.prims.convert_element_type.default(a, dtype)
+
+
+@batch_rule(_convert_element_type)
+def convert_element_type(batch: Batch, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``prims.convert_element_type``, a dtype cast that Inductor's decompositions put in
+    AOTAutograd's backward graphs (of ``_to_copy``: a float32 model with float64 steps, as
+    NequIP's), has no functorch rule: the per-sample fallback unrolled B, and with B
+    symbolic raised "Cannot call sizes() on tensor with symbolic sizes".  Elementwise: the
+    batched value casts as it is."""
+    return _convert_element_type(a, dtype)
+
+
 @batch_rule("_cdist_backward", expand=True)
 def cdist_backward(batch: Batch, grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: float,
                    cdist: torch.Tensor):
@@ -762,7 +776,7 @@ def prims_rules() -> dict:
     decompositions make them; its prims are defined once ``inductor_prims`` is imported)."""
     import torch._inductor.inductor_prims  # noqa: F401, PLC0415 - defines prims.fma
 
-    return {"fma": fma}
+    return {"fma": fma, "convert_element_type": convert_element_type}
 
 
 @contextlib.contextmanager

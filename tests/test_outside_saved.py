@@ -285,3 +285,28 @@ def test_softmax_backward_stays_one_program_across_batch_sizes():
     c = counts()
     assert c["outside_batched_saved"] == 3 and c["saved_backward_programs"] == 1, c
     assert "outside_batched_compiled" not in c, c
+
+
+def test_a_float32_model_with_float64_steps_stays_one_program_across_sizes():
+    # A float32 force field with a float64 step (NequIP's): Inductor's decompositions put
+    # prims.convert_element_type in AOTAutograd's backward graph, which has no functorch
+    # rule; its per-sample fallback made a program per B and, with symbolic sizes, failed
+    # ("Cannot call sizes() on tensor with symbolic sizes").  batch_rules.convert_element_type
+    # keeps one program over atom counts and B.  Inductor: aot_eager keeps aten._to_copy.
+    torch.manual_seed(0)
+    weight = torch.randn(3, 8)
+
+    def energy_and_forces(pos):
+        r = (pos.to(torch.float64) ** 2).sum(-1, keepdim=True).sqrt().to(torch.float32)
+        e = torch.tanh(r * weight.sum(0)).sum()
+        return e, -grad(e, pos, create_graph=True)[0]
+
+    c = compile_dynbatch(energy_and_forces, options=INDUCTOR, fullgraph=False, dynamic=True)
+    for n in (5, 7):
+        pos = torch.randn(n, 3, requires_grad=True)
+        rows = torch.eye(3 * n).reshape(3 * n, n, 3)
+        assert_same_grads(grad(c(pos)[1], pos, rows, is_grads_batched=True)[0],
+                          grad(energy_and_forces(pos)[1], pos, rows, is_grads_batched=True)[0])
+    now = counts()
+    assert now["outside_batched_saved"] == 2 and now["saved_backward_programs"] == 1, now
+    assert now["graphs"] == 1 and "outside_batched_compiled" not in now, now
