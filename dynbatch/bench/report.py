@@ -26,9 +26,12 @@ from .variants import COMPILED, REFERENCE
 OURS = "dynbatch"
 # dynbatch's own other configurations (a tight memory budget; CUDA graphs; the grad outside the
 # compiled f): not rival columns, so "best other" leaves them out.
-OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynbatch_outside_cudagraphs")
-# The grad taken outside a compiled model: the summary shows its cost over the grad inside.
+OURS_TOO = ("dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynbatch_outside_vmap",
+            "dynbatch_outside_cudagraphs")
+# The grad taken outside a compiled model (is_grads_batched; torch.vmap over a vjp): the
+# summary shows each one's cost over the grad inside.
 OUTSIDE = "dynbatch_outside"
+OUTSIDES = (OUTSIDE, "dynbatch_outside_vmap")
 
 
 # --- ratios and the best other column (cells.py reads the cells) ---------------
@@ -111,7 +114,7 @@ def summary_table(results) -> str:
     """dynbatch's time per case and its ratios, including to the best torch column
     (JAX is another framework: its lead says less about what dynbatch could reach), and,
     where the run had it, what taking the grad outside a compiled model costs."""
-    outside = OUTSIDE in columns(results)
+    outside = [c for c in OUTSIDES if c in columns(results)]
     body = []
     for problem, case in rows(results):
         ours = figure(case, OURS, "median_s")
@@ -124,11 +127,10 @@ def summary_table(results) -> str:
             other, value = best_other(case, "median_s", exclude=exclude)
             cells.append(f"{fmt_ratio(ratio(ours, value))} ({other})" if other else "–")
         cells.append(fmt_ratio(ratio(ours, floor)))
-        if outside:
-            cells.append(fmt_ratio(ratio(figure(case, OUTSIDE, "median_s"), ours)))
+        cells += [fmt_ratio(ratio(figure(case, column, "median_s"), ours)) for column in outside]
         body.append(cells)
     return table(["problem", "case", "dynbatch ms", "/ eager_batched", "/ best other column",
-                  "/ best torch column", "/ floor"] + ([f"{OUTSIDE} / dynbatch"] if outside else []), body)
+                  "/ best torch column", "/ floor"] + [f"{column} / dynbatch" for column in outside], body)
 
 
 def versus_best_other(results, exclude: tuple[str, ...] = ()) -> dict[str, Any] | None:
@@ -155,10 +157,11 @@ def versus_sentence(results) -> str:
         worst = ", ".join(f"{n} ×{r:.2f} ({o})" for n, r, o in sorted(v["above_1_1"], key=lambda t: -t[1]))
         parts.append(f"dynbatch / {label}: geometric mean ×{v['geomean']:.2f} over {v['cases']} cases; "
                      f"{len(v['above_1_1'])} above ×1.1" + (f": {worst}." if worst else "."))
-    outside = [r for _, case in rows(results)
-               if (r := ratio(figure(case, OUTSIDE, "median_s"), figure(case, OURS, "median_s"))) is not None]
-    if outside:
-        parts.append(f"{OUTSIDE} / dynbatch: geometric mean ×{geomean(outside):.2f} over {len(outside)} cases.")
+    for column in OUTSIDES:
+        outside = [r for _, case in rows(results)
+                   if (r := ratio(figure(case, column, "median_s"), figure(case, OURS, "median_s"))) is not None]
+        if outside:
+            parts.append(f"{column} / dynbatch: geometric mean ×{geomean(outside):.2f} over {len(outside)} cases.")
     return " ".join(parts)
 
 

@@ -172,7 +172,7 @@ def _run_column(variant, problem, settings: Settings, references, out, bar, call
     # otherwise find the first's and report a compile it never paid for.
     fresh = settings.cold_compile_cache and variant in (
         "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside",
-        "dynbatch_outside_cudagraphs")
+        "dynbatch_outside_vmap", "dynbatch_outside_cudagraphs")
     with _fresh_inductor_cache() if fresh else contextlib.nullcontext():
         _run_column_cases(variant, problem, settings, references, out, bar, calls)
 

@@ -19,13 +19,13 @@ import torch
 from .problem import Case, Problem
 
 VARIANTS = ("eager_loop", "eager_batched", "eager_vmap", "eager_vmap_chunked", "stock_compile", "compiled_func",
-            "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynbatch_outside_cudagraphs",
-            "jax")
+            "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs", "dynbatch_outside", "dynbatch_outside_vmap",
+            "dynbatch_outside_cudagraphs", "jax")
 CUDA_ONLY = ("dynbatch_cudagraphs", "dynbatch_outside_cudagraphs")  # left out of the default columns on the CPU
 REFERENCE = "eager_batched"  # every ratio in the report is over this column
 TRUTH = "eager_loop"  # errors are measured against this column
 COMPILED = ("stock_compile", "compiled_func", "dynbatch", "dynbatch_budget", "dynbatch_cudagraphs",
-            "dynbatch_outside", "dynbatch_outside_cudagraphs", "jax")
+            "dynbatch_outside", "dynbatch_outside_vmap", "dynbatch_outside_cudagraphs", "jax")
 
 # eager_vmap_chunked: torch.func.vmap(..., chunk_size=VMAP_CHUNK) runs this many samples at a time.
 VMAP_CHUNK = 32
@@ -51,6 +51,8 @@ DESCRIPTIONS = {
     "dynbatch_outside": 'torch.compile(backend="dynbatch") of f alone, as an nn.Module whose weights are '
                         "parameters that require grad; the is_grads_batched grad taken outside it, in eager code "
                         "(the region's compiled batched backward)",
+    "dynbatch_outside_vmap": "dynbatch_outside with MACE's idiom for the grad outside: torch.vmap over "
+                             "torch.autograd.grad(y, x, v, retain_graph=True)",
     "dynbatch_outside_cudagraphs": 'dynbatch_outside with mode="reduce-overhead": the model\'s forward and the '
                                    "region's compiled batched backward replayed as CUDA graphs (CUDA only)",
     "jax": 'JAX jit(vmap(vjp)), jax_default_matmul_precision="highest" to match torch fp32',
@@ -105,9 +107,10 @@ def batched_program(problem: Problem) -> Callable:
     return batched
 
 
-def outside_program(problem: Problem, mode: str | None = None) -> Callable:
+def outside_program(problem: Problem, mode: str | None = None, *, vmapped: bool = False) -> Callable:
     """The compiled-model pattern: only ``f`` is compiled; the batched grad is
-    eager code around it (dynbatch/region.py batches that backward)."""
+    eager code around it (dynbatch/region.py batches that backward): ``is_grads_batched``,
+    or (``vmapped``) ``torch.vmap`` over a vjp, as MACE takes its Hessian."""
     if problem.batched_api is not None:
         raise VariantUnavailable(f"{problem.name} differentiates through an API that calls f itself")
     compiled_f = torch.compile(with_own_forward(as_module(problem.f)), backend="dynbatch", mode=mode)
@@ -115,6 +118,8 @@ def outside_program(problem: Problem, mode: str | None = None) -> Callable:
     def outside(x, cotangents):
         x = x.detach().requires_grad_()
         y = compiled_f(x)
+        if vmapped:
+            return _finish(problem, torch.vmap(lambda v: torch.autograd.grad(y, x, v, retain_graph=True)[0])(cotangents))
         return _finish(problem, torch.autograd.grad(y, x, cotangents, is_grads_batched=True)[0])
 
     return outside
@@ -176,7 +181,7 @@ def memory_budget(variant: str, device: torch.device) -> int | None:
     """The bytes dynbatch's plan lets a column's batched backwards hold (None: no bound)."""
     import dynbatch.memory
 
-    if variant in ("dynbatch", "dynbatch_outside", "dynbatch_outside_cudagraphs"):
+    if variant in ("dynbatch", "dynbatch_outside", "dynbatch_outside_vmap", "dynbatch_outside_cudagraphs"):
         return dynbatch.memory.resolve_budget("auto", [torch.zeros(1, device=device)])
     if variant == "dynbatch_budget":
         return dynbatch.options.parse_memory_budget(TIGHT_BUDGET)
@@ -242,6 +247,8 @@ def build(variant: str, problem: Problem, device: torch.device) -> Runner:
         return _cudagraphs_runner(problem, device)
     if variant == "dynbatch_outside":
         return _torch_runner(variant, problem, outside_program(problem), compiled=True)
+    if variant == "dynbatch_outside_vmap":
+        return _torch_runner(variant, problem, outside_program(problem, vmapped=True), compiled=True)
     if variant == "dynbatch_outside_cudagraphs":
         if device.type != "cuda":
             raise VariantUnavailable("CUDA graphs need --device cuda")
