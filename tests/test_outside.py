@@ -55,6 +55,46 @@ def x64(*shape, requires_grad=False):
     return torch.randn(*shape, dtype=torch.float64, requires_grad=requires_grad)
 
 
+class MessagePassing(torch.nn.Module):
+    """A PaiNN-style energy: pair messages summed per atom by ``index_add``, two rounds."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.radial = torch.nn.Linear(1, width)
+        self.update = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+        self.readout = torch.nn.Linear(width, 1)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        n = pos.shape[0]
+        src, dst = torch.triu_indices(n, n, 1, device=pos.device)
+        r = ((pos[src] - pos[dst]).pow(2).sum(-1, keepdim=True) + 1).sqrt()
+        h = pos.new_zeros(n, self.radial.out_features)
+        for layer in self.update:
+            m = torch.tanh(self.radial(r)) * (1 + h[dst])
+            h = h + layer(torch.zeros_like(h).index_add(0, src, m))
+        return self.readout(torch.tanh(h)).sum()
+
+
+def test_functional_hessian_of_a_compiled_message_passing_model_compiles_once():
+    """``functional.hessian`` around a compiled model: the first call compiles the forward
+    that returns the energy's grads and its batched backward; the second compiles nothing
+    (NOTE [Forces at forward time], NOTE [One path per request])."""
+    torch.manual_seed(0)
+    model = MessagePassing().double()
+    m = compile_dynbatch(model, fullgraph=False)
+    pos = x64(6, 3)
+    for call in range(3):
+        assert_same_grads(AF.hessian(m, pos, vectorize=True), AF.hessian(model, pos, vectorize=True),
+                          msg=f"call {call}")
+        if call == 0:
+            first = dict(dynbatch.counters()), sum(torch._dynamo.utils.counters["frames"].values())
+    again = dict(dynbatch.counters())
+    assert {k: v for k, v in again.items() if not k.startswith("outside_")} == \
+        {k: v for k, v in first[0].items() if not k.startswith("outside_")}, (first[0], again)
+    assert sum(torch._dynamo.utils.counters["frames"].values()) == first[1]
+    assert paths() == {"outside_grads_at_forward": 3, "outside_batched_saved": 3}, paths()
+
+
 # --- the rows of issue 13's table -----------------------------------------------------
 
 @pytest.mark.parametrize("vectorize", [False, True])
