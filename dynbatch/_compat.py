@@ -659,6 +659,16 @@ def engine_will_execute_each(nodes: Sequence[Any]) -> tuple[bool, ...]:
     return tuple(answers)
 
 
+def storage_of(t: Any) -> Any:
+    """A hashable handle of a tensor's storage (fake ones too, as AOTAutograd's aliasing
+    analysis reads them), or None for anything else."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
 def is_zero_tensor(t: torch.Tensor) -> bool:
     """A ZeroTensor: autograd's grad known to be zero, with no storage of its own."""
     return t._is_zerotensor()

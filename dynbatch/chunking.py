@@ -26,7 +26,8 @@ from the budget and the sizes of each call (memory.Estimate).
 The price is one re-run of the forward part per chunk; the grad's results
 are written into one preallocated output.  A grad is not chunked (and the
 plan says why) where a re-run would not reproduce the original: random ops,
-in-place writes, grad-mode or autocast changes in the graph, or an inner grad
+in-place writes, grad-mode or autocast changes in the graph, a write before the
+grad to memory the re-run recomputes (``_check_no_write_reaches``), or an inner grad
 taken with respect to a tensor upstream of the batched grad's inputs; nor
 where its results must stay differentiable (``create_graph=True``).
 """
@@ -308,6 +309,7 @@ def _cut_program(original, node, planner, compile_program) -> tuple[ChunkProgram
     in_part = set(part) | set(inputs)
     deps, ints, pulled = [], [], []
     _collect_deps(part, in_part, deps, ints, pulled, planner.random_nodes)
+    _check_no_write_reaches(original, node, part, in_part | set(pulled), deps)
     body = [n for n in original.graph.nodes if n in set(part) | set(pulled)]
 
     graph = torch.fx.Graph()
@@ -367,6 +369,33 @@ def _check_rerunnable(n: torch.fx.Node, upstream: set, random_nodes: set) -> Non
                               "grad's inputs")
 
 
+def _check_no_write_reaches(original: torch.fx.GraphModule, grad: torch.fx.Node, part: Sequence[torch.fx.Node],
+                            recomputed: set, deps: Sequence[torch.fx.Node]) -> None:
+    """Raise Refused where a node before the grad writes in place to memory the re-run reads
+    otherwise than the original did.  A write is no edge of the graph: a tensor the chunk
+    program recomputes (``recomputed``: the part and what it pulls) would miss a write to it,
+    or to a view of it, and a dep written after a part node read it would be read after the
+    write.  (A dep written before is passed as it is then: the re-run reads what the original
+    read.)  Storages tell views apart from other tensors, on the fake values."""
+    storage = _compat.storage_of
+    recomputed_storage = {s for s in map(storage, map(_val, recomputed)) if s is not None}
+    dep_storage = {s: d for d in deps if (s := storage(_val(d))) is not None}
+    order = {n: i for i, n in enumerate(original.graph.nodes)}
+    first_read = {d: min((order[u] for u in d.users if u in part), default=None) for d in deps}
+    for n in original.graph.nodes:
+        if n is grad:
+            return
+        if not _writes_in_place(n) or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        written = storage(_val(n.args[0]))
+        dep = dep_storage.get(written)
+        if written in recomputed_storage or (dep is not None and first_read[dep] is not None
+                                             and first_read[dep] < order[n]):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+            raise Refused(f"{n.name} writes in place ({name}) to {n.args[0].name}, which a re-run would read "
+                          "without the write")
+
+
 def _collect_deps(part, in_part: set, deps: list, ints: list, pulled: list, random_nodes: set) -> None:
     """Values the part reads from the rest of the graph: tensors and ints are passed in;
     tensors built from no tensor input (NOTE [Masks rebuilt in the chunk program]) and
@@ -416,10 +445,19 @@ def _built_from_no_tensor(node: torch.fx.Node, random_nodes) -> bool:
 
 
 def _writes_in_place(n: torch.fx.Node) -> bool:
-    """A Dynamo node that writes its tensor in place: ``x.add_(...)`` (not ``requires_grad_``), ``x[i] = v``."""
+    """A Dynamo node that writes a tensor in place: ``x.add_(...)`` (not ``requires_grad_``),
+    ``x[i] = v``, or an op whose schema writes an argument (``aten.copy_``,
+    ``aten.scatter_add_``: the aten graphs ``make_fx`` traces, as NequIP compiles, call them
+    as functions).  A write is no edge of the graph: a re-run of the nodes between the grad's
+    inputs and outputs would miss the writes outside them (wrong grads, chunked)."""
     if n.op == "call_method":
         return n.target.endswith("_") and n.target != "requires_grad_"
-    return n.op == "call_function" and n.target is operator.setitem
+    if n.op != "call_function":
+        return False
+    if n.target is operator.setitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _draws_random_numbers(n: torch.fx.Node, random_nodes: set) -> bool:
