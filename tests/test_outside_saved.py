@@ -310,3 +310,44 @@ def test_a_float32_model_with_float64_steps_stays_one_program_across_sizes():
     now = counts()
     assert now["outside_batched_saved"] == 2 and now["saved_backward_programs"] == 1, now
     assert now["graphs"] == 1 and "outside_batched_compiled" not in now, now
+
+
+class AttentionBlock(torch.nn.Module):
+    """One head of self-attention and a residual MLP, as the benchmark's attention case."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = x + torch.softmax(q @ k.mT / q.shape[-1] ** 0.5, dim=-1) @ v
+        return h + self.mlp(h)
+
+
+@pytest.mark.parametrize("api", ["is_grads_batched", "vmap"])
+@pytest.mark.parametrize("make", [mlp, lambda: AttentionBlock().double()], ids=["mlp", "attention"])
+def test_batched_vjps_of_a_compiled_module_take_one_program(make, api):
+    # The outside cases of the benchmark: a batched VJP of a compiled module, by eager's
+    # is_grads_batched or torch.vmap over a vjp, runs the saved activations' program from the
+    # first call; later calls (another B) compile nothing (NOTE [One path per request]).
+    torch.manual_seed(0)
+    model = make()
+    m = compile_dynbatch(model, fullgraph=False)
+    x = x64(6, 4 if isinstance(model, torch.nn.Sequential) else 8, requires_grad=True)
+
+    def vjps(f, V):
+        out = f(x)
+        if api == "vmap":
+            return torch.vmap(lambda v: grad(out, x, v, retain_graph=True)[0])(V)
+        return grad(out, x, V, is_grads_batched=True)[0]
+
+    for call, batch in enumerate((5, 9, 5)):
+        V = torch.randn(batch, *model(x).shape, dtype=torch.float64)
+        assert_same_grads(vjps(m, V), vjps(model, V), msg=f"call {call}")
+        if call == 0:
+            first = {k: v for k, v in counts().items() if not k.startswith("outside_")}
+    c = counts()
+    assert c["outside_batched_saved"] == 3 and "outside_batched_compiled" not in c and "outside_eager" not in c, c
+    assert {k: v for k, v in c.items() if not k.startswith("outside_")} == first, (first, c)
