@@ -293,6 +293,20 @@ def convert_element_type(batch: Batch, a: torch.Tensor, dtype: torch.dtype) -> t
     return _convert_element_type(a, dtype)
 
 
+@batch_rule("_unsafe_masked_index")
+def unsafe_masked_index(batch: Batch, self: torch.Tensor, mask: torch.Tensor, indices: list, fill) -> torch.Tensor:
+    """``_unsafe_masked_index``, ``masked_fill(~mask)`` of ``_unsafe_index``: Inductor's
+    decomposition of ``slice_scatter`` (a slice's backward) puts it in AOTAutograd's backward
+    graphs.  It has no functorch rule and its kernel read a BatchedTensor's sizes, which
+    raised under a symbolic B ("Cannot call sizes() on tensor with symbolic sizes").  With
+    only ``self`` batched, B moves behind the indexed dims, where the op keeps dims it does
+    not index, and the mask broadcasts over it; else once per sample."""
+    if batch.batched(mask, *indices):
+        return PER_SAMPLE
+    out = aten._unsafe_masked_index.default(self.movedim(0, -1), mask.unsqueeze(-1), indices, fill)
+    return out.movedim(-1, 0)
+
+
 @batch_rule("_cdist_backward", expand=True)
 def cdist_backward(batch: Batch, grad: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, p: float,
                    cdist: torch.Tensor):
@@ -755,6 +769,7 @@ def all_rules() -> dict:
         "cat": cat,
         "gelu_backward": gelu_backward,
         "_cdist_backward": cdist_backward,
+        "_unsafe_masked_index": unsafe_masked_index,
         "roll": roll,
         "mm": mm,
         "convolution": convolution,

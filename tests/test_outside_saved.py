@@ -351,3 +351,27 @@ def test_batched_vjps_of_a_compiled_module_take_one_program(make, api):
     c = counts()
     assert c["outside_batched_saved"] == 3 and "outside_batched_compiled" not in c and "outside_eager" not in c, c
     assert {k: v for k, v in c.items() if not k.startswith("outside_")} == first, (first, c)
+
+
+def test_a_sliced_force_model_stays_one_program_across_sizes():
+    # Inductor decomposes a slice's backward (slice_scatter) into _unsafe_masked_index, which
+    # has no functorch rule; its kernel read the BatchedTensor's sizes, which raised under a
+    # symbolic B and sent every Hessian to the recompute path (NequIP's).  Inductor: aot_eager
+    # keeps slice_backward.
+    torch.manual_seed(0)
+    weight = torch.randn(4, 6)
+
+    def energy_and_forces(pos):
+        h = torch.tanh(pos @ weight)
+        e = (h[:, 1:4].sin() * h[:, :3]).sum()
+        return e, -grad(e, pos, create_graph=True)[0]
+
+    c = compile_dynbatch(energy_and_forces, options=INDUCTOR, fullgraph=False, dynamic=True)
+    for n in (5, 7):
+        pos = torch.randn(n, 4, requires_grad=True)
+        rows = torch.eye(4 * n).reshape(4 * n, n, 4)
+        assert_same_grads(grad(c(pos)[1], pos, rows, is_grads_batched=True)[0],
+                          grad(energy_and_forces(pos)[1], pos, rows, is_grads_batched=True)[0])
+    now = counts()
+    assert now["outside_batched_saved"] == 2 and now["saved_backward_programs"] == 1, now
+    assert "outside_batched_compiled" not in now, now
