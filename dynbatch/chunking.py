@@ -35,7 +35,6 @@ where its results must stay differentiable (``create_graph=True``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import inspect
 import logging

@@ -15,7 +15,6 @@ Called by a program's node (region_program.py) and by AOTAutograd's routed node
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 

@@ -389,7 +389,20 @@ def _graph_of_grads(graph: torch.fx.GraphModule, wanted: tuple[bool, ...]) -> tu
     present = tuple(w and isinstance(o, torch.fx.Node) for o, w in zip(outs, wanted))
     copied.output(tuple(o for o, p in zip(outs, present) if p))
     copied.eliminate_dead_code()
+    _views_as_reshapes(copied)
     return torch.fx.GraphModule(graph, copied), present  # constants: the original's attributes
+
+
+def _views_as_reshapes(graph: torch.fx.Graph) -> None:
+    """Every ``view`` of the backward graph a ``reshape``.  Traced unbatched, a view merges
+    dims that are contiguous; under vmap the same tensor may hold B between them (a batched
+    broadcast puts it there), and the view raised "Cannot view a tensor ... as ..." (NequIP's
+    Hessian then recomputed).  AOTAutograd's backward graphs are functional, so a copy where
+    the view cannot be one changes no value."""
+    aten = torch.ops.aten
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+            node.target = aten.reshape.default
 
 
 def _batched_module(grads: torch.fx.GraphModule, n_saved: int, n_tangents: int, n_grads: int) -> torch.fx.GraphModule:

@@ -375,3 +375,22 @@ def test_a_sliced_force_model_stays_one_program_across_sizes():
     now = counts()
     assert now["outside_batched_saved"] == 2 and now["saved_backward_programs"] == 1, now
     assert "outside_batched_compiled" not in now, now
+
+
+def test_the_saved_programs_views_are_reshapes_that_survive_b_inside_a_tensor():
+    # AOTAutograd traces a view where the unbatched tensor is contiguous; under vmap a
+    # tensor may hold B between the dims the view merges (NequIP's Hessian: [B, 8, 4, 3]
+    # strides (3, 288, 72, 1)), and the view raised, sending it to the recompute path.  The
+    # saved program's graph reshapes instead (region_saved_backward._views_as_reshapes).
+    from dynbatch import region_saved_backward
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.view.default, (x, [8, 12])))
+    fn = torch.fx.GraphModule(torch.nn.Module(), graph)
+    b_inside = torch.randn(8, 4, 5, 3)  # B = 5 between the merged dims, as vmap may hold it
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        torch.vmap(fn, in_dims=2)(b_inside)
+    region_saved_backward._views_as_reshapes(graph)
+    fn.recompile()
+    torch.testing.assert_close(torch.vmap(fn, in_dims=2)(b_inside), b_inside.movedim(2, 0).reshape(5, 8, 12))
