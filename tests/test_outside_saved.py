@@ -287,18 +287,30 @@ def test_softmax_backward_stays_one_program_across_batch_sizes():
     assert "outside_batched_compiled" not in c, c
 
 
-def test_a_float32_model_with_float64_steps_stays_one_program_across_sizes():
-    # A float32 force field with a float64 step (NequIP's): Inductor's decompositions put
-    # prims.convert_element_type in AOTAutograd's backward graph, which has no functorch
-    # rule; its per-sample fallback made a program per B and, with symbolic sizes, failed
-    # ("Cannot call sizes() on tensor with symbolic sizes").  batch_rules.convert_element_type
-    # keeps one program over atom counts and B.  Inductor: aot_eager keeps aten._to_copy.
+def _float64_steps(pos, weight):
+    r = (pos.to(torch.float64) ** 2).sum(-1, keepdim=True).sqrt().to(torch.float32)
+    return torch.tanh(r * weight[:3].sum(0)).sum()
+
+
+def _slices(pos, weight):
+    h = torch.tanh(pos @ weight)
+    return (h[:, 1:4].sin() * h[:, :3]).sum()
+
+
+@pytest.mark.parametrize("energy", [_float64_steps, _slices], ids=["float64_steps", "slices"])
+def test_a_force_model_through_inductors_decompositions_stays_one_program_across_sizes(energy):
+    # Inductor's decompositions put ops without a functorch rule in AOTAutograd's backward
+    # graphs: prims.convert_element_type (a float32 model with float64 steps) and
+    # _unsafe_masked_index (slice_scatter, a slice's backward).  The per-sample fallback made a
+    # program per B, and under a symbolic B it raised "Cannot call sizes() on tensor with
+    # symbolic sizes", sending NequIP's Hessians to the recompute path.  dynbatch's rules keep
+    # one program over atom counts and B.  Inductor: aot_eager keeps aten._to_copy and
+    # slice_backward.
     torch.manual_seed(0)
-    weight = torch.randn(3, 8)
+    weight = torch.randn(3, 6)
 
     def energy_and_forces(pos):
-        r = (pos.to(torch.float64) ** 2).sum(-1, keepdim=True).sqrt().to(torch.float32)
-        e = torch.tanh(r * weight.sum(0)).sum()
+        e = energy(pos, weight)
         return e, -grad(e, pos, create_graph=True)[0]
 
     c = compile_dynbatch(energy_and_forces, options=INDUCTOR, fullgraph=False, dynamic=True)
@@ -351,30 +363,6 @@ def test_batched_vjps_of_a_compiled_module_take_one_program(make, api):
     c = counts()
     assert c["outside_batched_saved"] == 3 and "outside_batched_compiled" not in c and "outside_eager" not in c, c
     assert {k: v for k, v in c.items() if not k.startswith("outside_")} == first, (first, c)
-
-
-def test_a_sliced_force_model_stays_one_program_across_sizes():
-    # Inductor decomposes a slice's backward (slice_scatter) into _unsafe_masked_index, which
-    # has no functorch rule; its kernel read the BatchedTensor's sizes, which raised under a
-    # symbolic B and sent every Hessian to the recompute path (NequIP's).  Inductor: aot_eager
-    # keeps slice_backward.
-    torch.manual_seed(0)
-    weight = torch.randn(4, 6)
-
-    def energy_and_forces(pos):
-        h = torch.tanh(pos @ weight)
-        e = (h[:, 1:4].sin() * h[:, :3]).sum()
-        return e, -grad(e, pos, create_graph=True)[0]
-
-    c = compile_dynbatch(energy_and_forces, options=INDUCTOR, fullgraph=False, dynamic=True)
-    for n in (5, 7):
-        pos = torch.randn(n, 4, requires_grad=True)
-        rows = torch.eye(4 * n).reshape(4 * n, n, 4)
-        assert_same_grads(grad(c(pos)[1], pos, rows, is_grads_batched=True)[0],
-                          grad(energy_and_forces(pos)[1], pos, rows, is_grads_batched=True)[0])
-    now = counts()
-    assert now["outside_batched_saved"] == 2 and now["saved_backward_programs"] == 1, now
-    assert "outside_batched_compiled" not in now, now
 
 
 def test_the_saved_programs_views_are_reshapes_that_survive_b_inside_a_tensor():
