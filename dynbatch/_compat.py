@@ -85,8 +85,8 @@ def dynamo_exceptions() -> Any:
 
 
 def graph_break(gb_type: str, *, context: str, explanation: str) -> None:
-    """Break Dynamo's graph at the call being traced, as its own handlers do: ``unimplemented``
-    takes keywords from 2.12 on; 2.11 names it ``unimplemented_v2``."""
+    """Break Dynamo's graph at the call being traced, as its own handlers do (``unimplemented``
+    with keywords on 2.11-2.14; ``unimplemented_v2`` where a torch still has that name)."""
     exc = dynamo_exceptions()
     unimplemented = getattr(exc, "unimplemented_v2", None) or exc.unimplemented
     unimplemented(gb_type=f"dynbatch: {gb_type}", context=context, explanation=explanation, hints=[])
