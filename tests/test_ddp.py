@@ -67,6 +67,9 @@ WORKER = textwrap.dedent('''
         c = dynbatch.counters()
         assert c.get("outside_eager", 0) == 0 and c.get("outside_grads_at_forward", 0) >= 1, c
         print(f"rank {rank} ok {c}", flush=True)
+        # Both ranks reach the teardown together: once in seven runs gloo's destroy hung with
+        # both ranks done (pytorch/pytorch#75097: a barrier first is the known remedy).
+        dist.barrier()
         dist.destroy_process_group()
 
     if __name__ == "__main__":
