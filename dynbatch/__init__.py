@@ -11,10 +11,10 @@
 >>> jacobian(torch.randn(4, 8)).shape
 torch.Size([8, 4, 8])
 
-Pipeline (docs/design.md): four stages, 1 capture.py -> 2 batching.py ->
-3 shape_checks.py -> 4 lowering.py, joined by backend.py; and two parts that
-are not numbered stages: memory within a budget (memory.py, chunking.py,
-around lowering) and the edge of the region (region.py, around each compiled
+Pipeline (docs/design.md): four stages, 1 capture/grad_calls.py -> 2 batching/grad_pass.py ->
+3 batching/shape_checks.py -> 4 lowering/inductor.py, joined by backend.py; and two parts that
+are not numbered stages: memory within a budget (planning/memory.py, planning/chunking.py,
+around lowering) and the edge of the region (region/edge.py, around each compiled
 graph).
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from . import _compat
 from .backend import UnsupportedGraph, dynbatch_backend
-from .batched_grad import batched_grad
-from .batching import BatchingResult, batch_grads
+from .batching.batched_grad import batched_grad
+from .batching.grad_pass import BatchingResult, batch_grads
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord

@@ -1,9 +1,9 @@
 """The ``dynbatch`` Dynamo backend: capture -> batching pass -> shape checks -> lowering.
 
-It joins the four stages (docs/design.md; 1 capture.py, 2 batching.py, 3
-shape_checks.py, 4 lowering.py) and the two parts that are not numbered stages:
-memory within a budget (memory.py, chunking.py; ``_lower_within_budget``) and
-the edge of the region (region.py; each compiled graph is handed back to Dynamo
+It joins the four stages (docs/design.md; 1 capture/grad_calls.py, 2 batching/grad_pass.py, 3
+batching/shape_checks.py, 4 lowering/inductor.py) and the two parts that are not numbered stages:
+memory within a budget (planning/memory.py, planning/chunking.py; ``_lower_within_budget``) and
+the edge of the region (region/edge.py; each compiled graph is handed back to Dynamo
 inside a ``Region``).
 
 Registered under the name "dynbatch" through the ``torch_dynamo_backends``
@@ -20,8 +20,12 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import (_compat, batching, capture, chunking, fx_utils, lowering, memory, region, requires_grad_tracing,
-               verify)
+from . import _compat, fx_utils
+from .batching import grad_pass
+from .capture import grad_calls, requires_grad_tracing
+from .lowering import inductor, verify
+from .planning import chunking, memory
+from .region import edge
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -47,8 +51,8 @@ def dynbatch_backend(
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
-    eager_gm, gm = gm, batching.batch_vmapped_grads(gm)
-    result = batching.batch_grads(gm)
+    eager_gm, gm = gm, grad_pass.batch_vmapped_grads(gm)
+    result = grad_pass.batch_grads(gm)
     record.batched, record.plain = result.batched, result.plain
     if result.unsupported:
         reason = "; ".join(f"{u.node}: {u.reason}" for u in result.unsupported)
@@ -68,8 +72,8 @@ def dynbatch_backend(
     STATS.add(record)
     log.info("dynbatch: compiled a graph with %d batched and %d plain grad(s)%s",
              len(record.batched), len(record.plain), _plan_text(record))
-    # What a grad taken outside this graph gets: NOTE [Region backward] in region.py.
-    graph_region = region.Region(
+    # What a grad taken outside this graph gets: NOTE [Region backward] in region/edge.py.
+    graph_region = edge.Region(
         gm, compiled, example_inputs,
         recompile=functools.partial(_compile_like, mode=mode, options=options),
         random_ops=record.random_ops,
@@ -86,7 +90,7 @@ def dynbatch_backend(
 def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: CompileRecord,
                          mode: str | None, options: dict[str, Any] | None):
     """Lower the batched graph; where the memory plan asks, with grads run chunk by chunk
-    (NOTE [Chunked batched grads] in chunking.py)."""
+    (NOTE [Chunked batched grads] in planning/chunking.py)."""
     planner = memory.Planner(memory.resolve_budget(opts.memory_budget, example_inputs), opts.chunk_size)
     record.memory_budget = planner.budget
     # A chunk program is compiled like this graph, without a budget, and without CUDA
@@ -100,10 +104,10 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
         chunked_gm, refused = chunking.chunk_grads(gm, batched_gm, grads, planner, compile_program)
         planner.refused.update(refused)
         planner.chunked = tuple(g for g in grads if g not in refused)
-        return lowering.lower(chunked_gm if planner.chunked else batched_gm, inputs, opts, record, planner)
+        return inductor.lower(chunked_gm if planner.chunked else batched_gm, inputs, opts, record, planner)
 
     try:
-        compiled = lowering.lower(batched_gm, example_inputs, opts, record, planner)
+        compiled = inductor.lower(batched_gm, example_inputs, opts, record, planner)
     except Exception as e:  # noqa: BLE001 - only a Replan is handled here
         replan = fx_utils.find_cause(e, memory.Replan)
         if replan is None:
@@ -121,7 +125,7 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
 
 def _fused_while_it_fits(fused, planner: memory.Planner, example_inputs, record: CompileRecord,
                          lower_chunked: Callable[[Sequence[Any]], Callable]) -> Callable[..., Any]:
-    """NOTE [One dynamic graph across the budget] in memory.py; a guard where the
+    """NOTE [One dynamic graph across the budget] in planning/memory.py; a guard where the
     sizes cannot be read off the arguments."""
     context = _compat.tracing_context()
     # Dynamo hands a backend the real example tensors; AOTAutograd fakes them with the
@@ -135,7 +139,7 @@ def _fused_while_it_fits(fused, planner: memory.Planner, example_inputs, record:
     def lower_when_needed() -> Callable[..., Any]:
         # The frame's guards are installed: the lowering runs in its tracing context,
         # and one that would need a new guard on the sizes is refused (it would be ignored).
-        with _compat.in_tracing_context(context), capture.capture_scope(), \
+        with _compat.in_tracing_context(context), grad_calls.capture_scope(), \
                 memory.refusing_new_shape_guards(context):
             chunked = lower_chunked(fakes)
         if not planner.chunked:
@@ -163,7 +167,7 @@ def _compile_like(fn: Callable, *, mode: str | None, options: dict[str, Any] | N
     return torch.compile(fn, backend=backend, fullgraph=True)
 
 
-dynbatch_backend._dynbatch_backend = True  # how capture.py recognises our compiles
+dynbatch_backend._dynbatch_backend = True  # how capture/grad_calls.py recognises our compiles
 
 
 def _fall_back(gm: torch.fx.GraphModule, record: CompileRecord, opts: Options, reason: str):
@@ -191,4 +195,4 @@ def _eager_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     return forward
 
 
-capture.install()
+grad_calls.install()

@@ -11,11 +11,13 @@ import re
 from typing import Any, Mapping
 
 from . import _compat
-from .matmul_kernels import CHOICES as CPU_MATMUL
 
 PREFIX = "dynbatch."
 INNER_COMPILERS = ("inductor", "aot_eager")
 ON_UNSUPPORTED = ("fallback", "error")
+# The kernel of CPU products (cpu/matmul_kernels.py): "auto" measures; "aten" leaves every
+# product to ATen; the others take that kernel wherever it applies (tests, comparisons).
+CPU_MATMUL = ("auto", "aten", "flipped", "onednn", "openblas", "avx2", "avx512")
 RECOMPUTE = ("auto", "always", "never")
 KEEP_CPU_BUFFERS = (True, "large", False)
 
@@ -33,26 +35,26 @@ class Options:
     record_graphs: bool = True
     # Bytes the B-dependent part of a batched backward may hold at once: an int,
     # a string such as "256MiB" or "2GB", "auto" (AUTO_BUDGET_FRACTION of the
-    # memory free when the graph compiles) or None (no limit). memory.py.
+    # memory free when the graph compiles) or None (no limit). planning/memory.py.
     memory_budget: int | str | None = "auto"
     # Fixes the number of samples per chunk instead of deriving it from the budget.
     chunk_size: int | None = None
-    # The kernel of CPU products (matmul_kernels.py): "auto" (the fastest of ATen's,
+    # The kernel of CPU products (cpu/matmul_kernels.py): "auto" (the fastest of ATen's,
     # ATen's on the transposed problem and oneDNN's, measured per shape on products
     # with a dim of 1,024 or more), "aten" (Inductor's extern mm everywhere),
     # "flipped", "onednn" (that kernel wherever it applies).
     cpu_matmul: str = "auto"
     # Run each compiled graph's first call eagerly too and compare; on a mismatch, run
-    # that graph eagerly from then on, with the reason logged (verify.py).
+    # that graph eagerly from then on, with the reason logged (lowering/verify.py).
     verify: bool = False
     # Store a large pointwise tensor read by several kernels, or recompute it in each
-    # (recompute.py, NOTE [Store or recompute]), and store a B-free factor a batched loop
+    # (planning/recompute.py, NOTE [Store or recompute]), and store a B-free factor a batched loop
     # would recompute per sample (NOTE [Store broadcast factors]): "auto" (a cost model
     # per device), "always" (wherever Inductor would inline the copies; factors on any
     # device), "never".
     recompute: str = "auto"
     # Keep the large CPU buffers of the compiled programs between calls, so a call does
-    # not fault fresh pages in (cpu_buffers.py, NOTE [Reused CPU buffers]): True (from
+    # not fault fresh pages in (cpu/kept_buffers.py, NOTE [Reused CPU buffers]): True (from
     # 4 MiB, and from 128 KiB in a program whose first calls fault: NOTE [Programs that
     # fault]), "large" (from 4 MiB only), False.
     keep_cpu_buffers: bool | str = True

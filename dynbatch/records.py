@@ -30,10 +30,10 @@ class CompileRecord:
     random_ops: tuple[str, ...] = ()  # aten ops that draw random numbers (no re-run for a backward)
     mutates_differentiable_input: bool = False  # an input that requires grad is written in place
     mutated_inputs: tuple[int, ...] = ()  # positions of the graph's inputs written in place
-    memory_budget: int | None = None  # bytes, as resolved when the graph compiled (memory.py)
+    memory_budget: int | None = None  # bytes, as resolved when the graph compiled (planning/memory.py)
     memory_plan: list = dataclasses.field(default_factory=list)  # memory.GradPlan per batched grad
-    chunk_program: bool = False  # compiled as the chunk program of a chunked grad (chunking.py)
-    # compiled as AOTAutograd's backward graph batched over its cotangents (region_saved_backward.py)
+    chunk_program: bool = False  # compiled as the chunk program of a chunked grad (planning/chunking.py)
+    # compiled as AOTAutograd's backward graph batched over its cotangents (region/saved_backward.py)
     saved_backward: bool = False
     # The region.Region this graph compiled into, while Dynamo's cache keeps it (a weak
     # reference: a record never keeps a graph alive); None where the graph fell back.
@@ -79,7 +79,7 @@ class Stats:
                 self.counters["grads_chunked"] += chunked
 
     def fell_back_later(self, record: CompileRecord, reason: str) -> None:
-        """A graph compiled earlier that runs eagerly from now on (verify.py)."""
+        """A graph compiled earlier that runs eagerly from now on (lowering/verify.py)."""
         with self._lock:
             record.fallback_reason = reason
             self.counters["fallbacks"] += 1

@@ -114,9 +114,9 @@ def recompute_outside(monkeypatch):
     compiled batched backward, counted ``outside_batched_compiled``) instead of batching
     AOTAutograd's backward over the saved activations (``outside_batched_saved``): for
     tests of the recompute path, which stays the fallback of the saved one."""
-    from dynbatch import region_backward
+    from dynbatch.region import paths
 
-    monkeypatch.setattr(region_backward, "batched_grads", lambda *args: None)
+    monkeypatch.setattr(paths, "batched_grads", lambda *args: None)
 
 
 def compile_dynbatch(fn, *, options=None, fullgraph=True, **kwargs):

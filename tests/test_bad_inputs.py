@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import dynbatch
-from dynbatch import shape_checks
+from dynbatch.batching import shape_checks
 from dynbatch.options import Options
 from conftest import FALLBACK, assert_fell_back, assert_same_grads, compile_dynbatch
 from helpers_reliability import assert_same_exception, graph_breaks, outcome

@@ -8,9 +8,9 @@ import torch
 import torch.fx
 
 from dynbatch import batch_grads
-from dynbatch.batching import batch_vmapped_grads
-from dynbatch.batched_grad import batched_grad
-from dynbatch.capture import TRACE_ERROR
+from dynbatch.batching.grad_pass import batch_vmapped_grads
+from dynbatch.batching.batched_grad import batched_grad
+from dynbatch.batching.grad_pass import TRACE_ERROR
 from conftest import assert_same_grads
 
 

@@ -1,4 +1,4 @@
-"""Large CPU buffers kept between calls (dynbatch/cpu_buffers.py, NOTE [Reused CPU buffers]):
+"""Large CPU buffers kept between calls (dynbatch/cpu/kept_buffers.py, NOTE [Reused CPU buffers]):
 handed out again only once no tensor uses them, and never changing a value."""
 
 from __future__ import annotations
@@ -13,30 +13,30 @@ import pytest
 import torch
 
 import dynbatch
-from dynbatch import cpu_buffers
+from dynbatch.cpu import kept_buffers
 from conftest import DEFAULTS, assert_backend_ran, assert_same_grads, compile_dynbatch, loop_grads
 
-UNIT = cpu_buffers.MIN_BYTES  # the smallest buffer kept
+UNIT = kept_buffers.MIN_BYTES  # the smallest buffer kept
 LARGE = (2 * UNIT // 4096, 1024)  # float32: kept
 STRIDE = (1024, 1)
 
 
 @pytest.fixture(autouse=True)
 def nothing_kept():
-    cpu_buffers.release()
+    kept_buffers.release()
     yield
-    cpu_buffers.release()
+    kept_buffers.release()
 
 
 def _large() -> torch.Tensor:
-    return cpu_buffers.empty_strided(LARGE, STRIDE, torch.float32)
+    return kept_buffers.empty_strided(LARGE, STRIDE, torch.float32)
 
 
 def test_a_small_buffer_is_torchs_own():
     for size, stride in [((4, 8), (8, 1)), ((UNIT // 8192, 1024), (1024, 1)), ((), ())]:
-        t = cpu_buffers.empty_strided(size, stride, torch.float32)
+        t = kept_buffers.empty_strided(size, stride, torch.float32)
         assert (t.shape, t.stride(), t.dtype) == (size, stride, torch.float32)
-    assert cpu_buffers.kept_bytes() == 0
+    assert kept_buffers.kept_bytes() == 0
 
 
 def test_a_freed_buffer_serves_the_next_request_of_its_size():
@@ -45,7 +45,7 @@ def test_a_freed_buffer_serves_the_next_request_of_its_size():
     address = first.data_ptr()
     del first
     assert _large().data_ptr() == address
-    assert cpu_buffers.kept_bytes() == 2 * UNIT
+    assert kept_buffers.kept_bytes() == 2 * UNIT
 
 
 def test_a_buffer_in_use_is_never_handed_out():
@@ -62,44 +62,44 @@ def test_a_buffer_in_use_is_never_handed_out():
 
 def test_strides_dtypes_and_a_shared_storage_size():
     rows = UNIT // 8192
-    t = cpu_buffers.empty_strided((rows, 1024), (1, rows), torch.float64)  # column-major, one unit
+    t = kept_buffers.empty_strided((rows, 1024), (1, rows), torch.float64)  # column-major, one unit
     assert (t.shape, t.stride(), t.dtype) == ((rows, 1024), (1, rows), torch.float64)
-    assert cpu_buffers.kept_bytes() == UNIT
+    assert kept_buffers.kept_bytes() == UNIT
     t.copy_(torch.arange(t.numel(), dtype=torch.float64).view(1024, rows).t())
     assert t[3, 5].item() == 5 * rows + 3
 
 
 def _units(n: float) -> torch.Tensor:
-    return cpu_buffers.empty_strided((int(n * UNIT) // 4096, 1024), STRIDE, torch.float32)
+    return kept_buffers.empty_strided((int(n * UNIT) // 4096, 1024), STRIDE, torch.float32)
 
 
 @pytest.mark.parametrize("slack", [1, 2])
 def test_unused_buffers_of_other_sizes_stay_within_the_slack(monkeypatch, slack):
-    monkeypatch.setattr(cpu_buffers, "SLACK", slack)
+    monkeypatch.setattr(kept_buffers, "SLACK", slack)
     two = _units(2)
     del two
     eight = _units(8)  # the 2-unit one does not fit: kept only while 2 + 8 <= slack * 8
-    assert cpu_buffers.kept_bytes() == (10 if slack == 2 else 8) * UNIT
+    assert kept_buffers.kept_bytes() == (10 if slack == 2 else 8) * UNIT
     del eight
     three = _units(3)  # under half of the free 8-unit one: a buffer of its own
-    assert three.data_ptr() not in {k.buffer.data_ptr() for k in cpu_buffers._kept if k.nbytes() == 8 * UNIT}
-    kept = cpu_buffers.kept_bytes()
+    assert three.data_ptr() not in {k.buffer.data_ptr() for k in kept_buffers._kept if k.nbytes() == 8 * UNIT}
+    kept = kept_buffers.kept_bytes()
     assert _units(0.5).shape == (UNIT // 8192, 1024)  # small: torch's own, nothing kept for it
-    assert cpu_buffers.kept_bytes() == kept <= slack * 11 * UNIT
+    assert kept_buffers.kept_bytes() == kept <= slack * 11 * UNIT
 
 
 def test_beyond_the_bound_buffers_are_not_kept(monkeypatch):
-    monkeypatch.setattr(cpu_buffers, "MAX_KEPT_BYTES", 3 * UNIT)
+    monkeypatch.setattr(kept_buffers, "MAX_KEPT_BYTES", 3 * UNIT)
     first = _large()
     second = _large()  # the first is in use and the bound is reached: torch's own
-    assert cpu_buffers.kept_bytes() == 2 * UNIT
+    assert kept_buffers.kept_bytes() == 2 * UNIT
     assert first.data_ptr() != second.data_ptr()
 
 
 def test_release_keeps_tensors_in_use_valid():
     held = _large().fill_(3.0)
-    cpu_buffers.release()
-    assert cpu_buffers.kept_bytes() == 0
+    kept_buffers.release()
+    assert kept_buffers.kept_bytes() == 0
     assert torch.all(held == 3.0)
     assert _large().data_ptr() != held.data_ptr()
 
@@ -140,9 +140,9 @@ def test_a_compiled_programs_large_buffers_are_kept_and_its_outputs_never_overwr
     outs = []
     for v in vs:
         outs.append(f(x, w, v))
-        kept = cpu_buffers.kept_bytes()
+        kept = kept_buffers.kept_bytes()
         assert (kept > 0) == keep
-    assert cpu_buffers.kept_bytes() == kept  # steady: no new buffer after the first calls
+    assert kept_buffers.kept_bytes() == kept  # steady: no new buffer after the first calls
     for out, v in zip(outs, vs):  # each output held while the later calls ran
         x_ = x.detach().requires_grad_()
         y = torch.tanh(x_ @ w) * torch.sigmoid(x_ @ w)
@@ -152,16 +152,16 @@ def test_a_compiled_programs_large_buffers_are_kept_and_its_outputs_never_overwr
 
 
 def test_a_buffer_the_caller_keeps_is_forgotten(monkeypatch):
-    monkeypatch.setattr(cpu_buffers, "FORGET_AFTER", 3)
+    monkeypatch.setattr(kept_buffers, "FORGET_AFTER", 3)
     held = _large().fill_(5.0)
     for _ in range(5):  # others come and go: the held one stays in use
         other = _units(1)
         del other
-    assert cpu_buffers.kept_bytes() == UNIT  # only the one in turn
+    assert kept_buffers.kept_bytes() == UNIT  # only the one in turn
     assert torch.all(held == 5.0)
     del held  # torch's again: nothing kept grows
     _units(1)
-    assert cpu_buffers.kept_bytes() == UNIT
+    assert kept_buffers.kept_bytes() == UNIT
 
 
 WRAPPER = """
@@ -204,11 +204,11 @@ def test_each_allocation_site_takes_the_pool_only_where_its_size_can_be_large(tm
     namespace = _wrapper(tmp_path)
     calls = []
     namespace["empty_strided_cpu"] = lambda size, stride, dtype: calls.append(("torch", size))
-    code = cpu_buffers.routed_function(WRAPPER, namespace["call"].__code__)
+    code = kept_buffers.routed_function(WRAPPER, namespace["call"].__code__)
     namespace["call"].__func__.__code__ = code  # as install does
-    for name in (cpu_buffers._KEPT, cpu_buffers._KEPT_COMPARED):
+    for name in (kept_buffers._KEPT, kept_buffers._KEPT_COMPARED):
         namespace[name] = lambda size, stride, dtype: calls.append(("pool", size))
-    namespace[cpu_buffers._FLOOR] = cpu_buffers.MIN_BYTES
+    namespace[kept_buffers._FLOOR] = kept_buffers.MIN_BYTES
     namespace["call"]((None, s33))
     assert [who == "pool" for who, _ in calls] == pooled
     assert code.co_qualname == "Runner.call"
@@ -221,21 +221,21 @@ def test_a_wrapper_that_allocates_nothing_large_is_left_as_it_is(tmp_path):
     path.write_text(small)
     namespace = {}
     exec(compile(small, str(path), "exec"), namespace)
-    assert cpu_buffers.routed_function(small, namespace["call"].__code__) is None
+    assert kept_buffers.routed_function(small, namespace["call"].__code__) is None
 
 
 def test_an_allocation_outside_the_call_is_not_routed_silently(tmp_path):
     namespace = _wrapper(tmp_path)
     elsewhere = WRAPPER + "\ndef other():\n    return empty_strided_cpu((4, 4), (4, 1), torch.float32)\n"
     with pytest.raises(LookupError, match="outside"):
-        cpu_buffers.routed_function(elsewhere, namespace["call"].__code__)
+        kept_buffers.routed_function(elsewhere, namespace["call"].__code__)
 
 
 def test_a_dynamic_programs_small_calls_never_reach_the_pool(monkeypatch):
     pooled = []
     for name in ("empty_strided", "kept_empty_strided"):  # bound in the wrapper's module at install
-        pool = getattr(cpu_buffers, name)
-        monkeypatch.setattr(cpu_buffers, name, lambda *a, pool=pool: pooled.append(a[0]) or pool(*a))
+        pool = getattr(kept_buffers, name)
+        monkeypatch.setattr(kept_buffers, name, lambda *a, pool=pool: pooled.append(a[0]) or pool(*a))
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen) / 8
     # aten's products: every buffer is the generated code's (dynbatch's own products take a
@@ -248,7 +248,7 @@ def test_a_dynamic_programs_small_calls_never_reach_the_pool(monkeypatch):
         assert_same_grads(out, loop_grads(torch.tanh(x_ @ w) * torch.sigmoid(x_ @ w), x_, v),
                           atol=1e-5, rtol=1e-4)
         assert bool(pooled) == (batch == 512), pooled  # 8 MiB buffers at B = 512 only
-    assert cpu_buffers.kept_bytes() > 0
+    assert kept_buffers.kept_bytes() > 0
     assert_backend_ran(graphs=2)
 
 
@@ -259,24 +259,24 @@ def _faulting_wrapper(tmp_path, monkeypatch, cost):
     calls = []
     namespace["empty_strided_cpu"] = lambda size, stride, dtype: calls.append(("torch", size))
     call = namespace["call"].__func__
-    plain = cpu_buffers.routed_function(WRAPPER, call.__code__, cpu_buffers.LOW_BYTES)
-    for name in (cpu_buffers._KEPT, cpu_buffers._KEPT_COMPARED):
+    plain = kept_buffers.routed_function(WRAPPER, call.__code__, kept_buffers.LOW_BYTES)
+    for name in (kept_buffers._KEPT, kept_buffers._KEPT_COMPARED):
         namespace[name] = lambda size, stride, dtype: calls.append(("pool", size))
-    namespace[cpu_buffers._FLOOR] = cpu_buffers.MIN_BYTES
-    watch = namespace[cpu_buffers._WATCH] = cpu_buffers._Watch(call, plain)
-    call.__code__ = cpu_buffers.routed_function(WRAPPER, call.__code__, cpu_buffers.LOW_BYTES, probed=True)
+    namespace[kept_buffers._FLOOR] = kept_buffers.MIN_BYTES
+    watch = namespace[kept_buffers._WATCH] = kept_buffers._Watch(call, plain)
+    call.__code__ = kept_buffers.routed_function(WRAPPER, call.__code__, kept_buffers.LOW_BYTES, probed=True)
     totals, last_read = [0, 0.0], [None, None]
 
     def counter(i):
         def read_total():  # read twice a probed call, before it and after it: the call's cost between
             if last_read[i] == watch.calls:
-                totals[i] += cost(watch.calls, namespace[cpu_buffers._FLOOR])[i]
+                totals[i] += cost(watch.calls, namespace[kept_buffers._FLOOR])[i]
             last_read[i] = watch.calls
             return totals[i]
         return read_total
 
-    monkeypatch.setattr(cpu_buffers, "_minor_faults", counter(0))
-    monkeypatch.setattr(cpu_buffers, "_seconds", counter(1))
+    monkeypatch.setattr(kept_buffers, "_minor_faults", counter(0))
+    monkeypatch.setattr(kept_buffers, "_seconds", counter(1))
     return namespace, watch, calls
 
 
@@ -288,7 +288,7 @@ def _run(namespace, calls, n, s33=20):
     return [who for who, _ in calls]
 
 
-MIN, LOW = cpu_buffers.MIN_BYTES, cpu_buffers.LOW_BYTES
+MIN, LOW = kept_buffers.MIN_BYTES, kept_buffers.LOW_BYTES
 # s33 = 20: the [20, 100, 100, 1] float32 buffer is 781 KiB, kept only from a lowered floor
 KEPT_FROM_4_MIB, KEPT_FROM_128_KIB = ["torch", "pool", "torch", "torch", "torch"], ["torch", "pool", "pool", "torch", "torch"]
 
@@ -297,7 +297,7 @@ def test_a_program_whose_calls_fault_keeps_its_buffers_from_128_kib(tmp_path, mo
     # From call 5 the heap faults the buffers in (slower calls) unless they are kept.
     namespace, watch, calls = _faulting_wrapper(
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call >= 5 and floor == MIN else (3, 3e-3))
-    before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
+    before = dynbatch.counters().get(kept_buffers.FLOOR_LOWERED, 0)
     assert _run(namespace, calls, 14) == KEPT_FROM_4_MIB  # calls 8-14 counted: seven
     assert watch.trial_from is None
     _run(namespace, calls, 1)  # call 15: the eighth
@@ -309,23 +309,23 @@ def test_a_program_whose_calls_fault_keeps_its_buffers_from_128_kib(tmp_path, mo
     assert namespace["call"].__func__.__code__ is not watch.plain  # still measuring
     _run(namespace, calls, 1)
     assert namespace["call"].__func__.__code__ is watch.plain  # decided: the calls count nothing more
-    assert namespace[cpu_buffers._FLOOR] == LOW
+    assert namespace[kept_buffers._FLOOR] == LOW
     assert _run(namespace, calls, 1) == KEPT_FROM_128_KIB
-    assert dynbatch.counters()[cpu_buffers.FLOOR_LOWERED] == before + 1
+    assert dynbatch.counters()[kept_buffers.FLOOR_LOWERED] == before + 1
 
 
 @pytest.mark.parametrize("at_low", [(900, 5e-3), (3, 5e-3)], ids=["faults stay", "no faster"])
 def test_a_floor_that_does_not_end_the_faults_and_speed_calls_up_is_left(tmp_path, monkeypatch, at_low):
     namespace, watch, calls = _faulting_wrapper(
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if floor == MIN else at_low)
-    before = dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0)
+    before = dynbatch.counters().get(kept_buffers.FLOOR_LOWERED, 0)
     _run(namespace, calls, 34)
     assert watch.trial_from == 16 and namespace["call"].__func__.__code__ is not watch.plain
     _run(namespace, calls, 1)
     assert namespace["call"].__func__.__code__ is watch.plain
-    assert namespace[cpu_buffers._FLOOR] == MIN
+    assert namespace[kept_buffers._FLOOR] == MIN
     assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
-    assert dynbatch.counters().get(cpu_buffers.FLOOR_LOWERED, 0) == before
+    assert dynbatch.counters().get(kept_buffers.FLOOR_LOWERED, 0) == before
 
 
 def test_faults_every_second_call_are_seen_and_tried_fairly(tmp_path, monkeypatch):
@@ -334,25 +334,25 @@ def test_faults_every_second_call_are_seen_and_tried_fairly(tmp_path, monkeypatc
         tmp_path, monkeypatch, lambda call, floor: (1200, 5e-3) if call % 2 and floor == MIN else (0, 3e-3))
     _run(namespace, calls, 35)
     assert watch.trial_from == 16 and namespace["call"].__func__.__code__ is watch.plain
-    assert namespace[cpu_buffers._FLOOR] == LOW
+    assert namespace[kept_buffers._FLOOR] == LOW
 
 
 def test_rare_faults_try_no_floor(tmp_path, monkeypatch):
     namespace, watch, calls = _faulting_wrapper(  # one call in eight: 112 pages a call on average
         tmp_path, monkeypatch, lambda call, floor: (900, 5e-3) if call % 8 == 0 else (0, 3e-3))
-    _run(namespace, calls, cpu_buffers.PROBED_CALLS)
+    _run(namespace, calls, kept_buffers.PROBED_CALLS)
     assert watch.trial_from is None and namespace["call"].__func__.__code__ is watch.plain
-    assert namespace[cpu_buffers._FLOOR] == MIN
+    assert namespace[kept_buffers._FLOOR] == MIN
 
 
-@pytest.mark.parametrize("faults", [0, cpu_buffers.FAULTS_TO_LOWER - 1])
+@pytest.mark.parametrize("faults", [0, kept_buffers.FAULTS_TO_LOWER - 1])
 def test_a_program_that_faults_little_keeps_only_large_buffers(tmp_path, monkeypatch, faults):
     namespace, watch, calls = _faulting_wrapper(tmp_path, monkeypatch, lambda call, floor: (faults, 1e-3))
-    _run(namespace, calls, cpu_buffers.PROBED_CALLS - 1)
+    _run(namespace, calls, kept_buffers.PROBED_CALLS - 1)
     assert namespace["call"].__func__.__code__ is not watch.plain
     assert _run(namespace, calls, 1) == KEPT_FROM_4_MIB
     assert namespace["call"].__func__.__code__ is watch.plain
-    assert namespace[cpu_buffers._FLOOR] == MIN
+    assert namespace[kept_buffers._FLOOR] == MIN
 
 
 _FAULTING_PROCESS = """
@@ -402,7 +402,7 @@ def test_a_program_that_faults_in_a_real_process_stops_faulting(tmp_path):
     adapted, large = result["True"], result["large"]
     assert adapted["error"] < 1e-4 and large["error"] < 1e-4
     assert adapted["counters"]["graphs_batched"] == 1 and large["counters"]["graphs_batched"] == 2  # the backend ran
-    assert adapted["counters"].get(cpu_buffers.FLOOR_LOWERED) == 1
-    assert large["counters"].get(cpu_buffers.FLOOR_LOWERED) == 1  # the first program's alone
-    assert adapted["faults"] < cpu_buffers.FAULTS_TO_LOWER / 4
-    assert large["faults"] >= cpu_buffers.FAULTS_TO_LOWER  # the faults the lower floor takes away
+    assert adapted["counters"].get(kept_buffers.FLOOR_LOWERED) == 1
+    assert large["counters"].get(kept_buffers.FLOOR_LOWERED) == 1  # the first program's alone
+    assert adapted["faults"] < kept_buffers.FAULTS_TO_LOWER / 4
+    assert large["faults"] >= kept_buffers.FAULTS_TO_LOWER  # the faults the lower floor takes away

@@ -103,7 +103,7 @@ def _conv_norm_net():
 
 
 def test_conv_and_norm_rules_on_cuda_keep_b_symbolic():
-    """dynbatch's convolution and norm rules (batch_rules.py) on cuDNN: values
+    """dynbatch's convolution and norm rules (batching/batch_rules.py) on cuDNN: values
     equal the loop, one graph for every B >= 2 (on CPU, float32 convolutions add
     PyTorch's B*N >= 16 oneDNN guard; CUDA has none).  Passed on an H200 (torch 2.11)."""
     net, params = _conv_norm_net()
@@ -178,7 +178,7 @@ def test_cudnn_batch_norm_second_derivative_matches_the_loop():
 
 
 def _without_rules(monkeypatch, *names):
-    from dynbatch import batch_rules
+    from dynbatch.batching import batch_rules
 
     ours = batch_rules.all_rules()
     monkeypatch.setattr(batch_rules, "all_rules", lambda: {k: v for k, v in ours.items() if k not in names})
@@ -341,7 +341,7 @@ def test_cuda_attention_backwards_match_the_loop_with_one_graph_for_every_B(back
     assert c["graphs_batched"] <= 2 and not c.get("fallbacks"), c
 
 
-# --- grads taken outside a compiled model (region.py) -------------------------
+# --- grads taken outside a compiled model (region/edge.py) -------------------------
 
 def _force_step(model, pos, f_ref, inside):
     """One force-matching step (tests/test_force_training.py) on pos's device."""
@@ -482,7 +482,7 @@ def _cuda_peak_growth(fn, *args):
 def test_memory_budget_bounds_the_cuda_peak_and_auto_reads_free_memory():
     from test_memory_budget import lattice
 
-    from dynbatch import memory
+    from dynbatch.planning import memory
 
     free, _ = torch.cuda.mem_get_info()
     assert 0 < memory.auto_budget(torch.device("cuda")) <= free
@@ -525,7 +525,7 @@ def test_a_b_sweep_across_the_budget_keeps_one_dynamic_graph_on_cuda(cudagraphs)
 
 
 def test_lennard_jones_pair_forces_are_recomputed_not_stored():
-    """On a GPU the store-or-recompute cost model (recompute.py) gives each reduction of
+    """On a GPU the store-or-recompute cost model (planning/recompute.py) gives each reduction of
     the [B, N, N, 3] pair forces its own copy: no such buffer is allocated ("never":
     Inductor's own choice, one is).  N = 60: the pair tensor's store and loads (23 MB)
     pass the model's size floor."""

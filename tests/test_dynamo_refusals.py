@@ -75,7 +75,7 @@ def test_fullgraph_raises_dynamos_error(case):
 
 def test_a_returned_tensor_whose_graph_the_grad_consumed_stays_in_one_graph():
     """Stock Dynamo refuses this frame in one graph (it breaks before the grad); dynbatch keeps
-    it whole (NOTE [A grad that consumes returned tensors] in capture.py), with eager's values."""
+    it whole (NOTE [A grad that consumes returned tensors] in capture/grad_calls.py), with eager's values."""
     x, V = torch.randn(3, requires_grad=True), torch.randn(2, 3)
     y, g = compile_dynbatch(consumed_graph_program)(x, V)  # fullgraph=True
     y_eager, g_eager = consumed_graph_program(x, V)

@@ -18,7 +18,10 @@ from torch.torch_version import TorchVersion
 
 import dynbatch
 from conftest import FALLBACK, assert_same_grads, compile_dynbatch
-from dynbatch import _compat, batch_rules, capture, fail_soft, fake_cuda_guard, lowering, requires_grad_tracing
+from dynbatch import _compat, fail_soft
+from dynbatch.batching import batch_rules
+from dynbatch.capture import grad_calls, fake_cuda_guard, requires_grad_tracing
+from dynbatch.lowering import inductor
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
 
@@ -61,14 +64,14 @@ def test_a_refactored_compile_entry_point_turns_capture_off():
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            capture.install()
+            grad_calls.install()
         assert any("capture" in m and "compiler_fn" in m for m in _hook_warnings(seen)), _hook_warnings(seen)
         x, V = args()
         assert_same_grads(compile_dynbatch(vjp, options=FALLBACK, fullgraph=False)(x, V), vjp(x, V))
         assert not dynbatch.counters().get("grads_batched"), dynbatch.counters()  # stock Dynamo: eager grad
     finally:
         convert_frame._compile = stock
-        capture.install()
+        grad_calls.install()
     assert convert_frame._compile._dynbatch_original is stock
 
 
@@ -76,7 +79,7 @@ def test_a_capture_piece_that_cannot_enter_is_off_and_the_rest_works(monkeypatch
     def moved(module_name):
         raise AttributeError("trace_rules.get_torch_obj_rule_map")
 
-    monkeypatch.setattr(capture, "dynamo_inlines_module", moved)
+    monkeypatch.setattr(grad_calls, "dynamo_inlines_module", moved)
 
     def jac(x):
         return torch.autograd.functional.jacobian(lambda z: torch.tanh(z @ W), x, vectorize=True)
@@ -149,7 +152,7 @@ def test_on_unsupported_error_raises_unsupported_graph_for_a_lowering_failure(mo
     def broken(*a, **k):
         raise RuntimeError("an Inductor internal moved")
 
-    monkeypatch.setattr(lowering, "lower", broken)
+    monkeypatch.setattr(inductor, "lower", broken)
     x, V = args()
     with pytest.raises(Exception) as raised:
         compile_dynbatch(vjp, fullgraph=False)(x, V)  # AOT_EAGER: on_unsupported="error"

@@ -1,4 +1,4 @@
-"""Training through a compiled model with forces (issue 23; dynbatch/region.py).
+"""Training through a compiled model with forces (issue 23; dynbatch/region/edge.py).
 
 The pattern of machine-learned potentials: ``model = torch.compile(model)``, the
 forces ``F = -dE/dpos`` taken with ``create_graph=True`` -- outside the model, or

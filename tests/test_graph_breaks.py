@@ -4,7 +4,7 @@ With ``trace_autograd_ops`` on, Dynamo traces ``loss.backward()`` into accumulat
 into the leaves *its frame* knows; where the loss's history runs through another
 frame's graph (a break in the model, or between the forward and ``backward()``) the
 other frame's leaves got nothing, silently (NOTE [A backward across frames] in
-dynbatch/capture.py).  Each case compares every parameter's and input's ``.grad`` with
+dynbatch/capture/grad_calls.py).  Each case compares every parameter's and input's ``.grad`` with
 the same eager step, over the kinds of break users meet and every place one can fall,
 plain and with forces; each asserts that dynbatch compiled the frames.
 """

@@ -1,4 +1,4 @@
-"""The passes around lowering: sink_expands (post-grad) and dynbatch's batching rules (batch_rules.py)."""
+"""The passes around lowering: sink_expands (post-grad) and dynbatch's batching rules (batching/batch_rules.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynbatch
-from dynbatch import batch_rules
-from dynbatch.passes import sink_expands
+from dynbatch.batching import batch_rules
+from dynbatch.lowering.aten_passes import sink_expands
 from conftest import DEFAULTS, FALLBACK, assert_same_grads, compile_dynbatch, loop_grads
 
 aten = torch.ops.aten
@@ -589,7 +589,7 @@ def test_cuda_attention_backward_rules_fold_b_into_the_attention_batch(name, our
     it B times), with each grad's per-sample shape."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dynbatch import batch_rules
+    from dynbatch.batching import batch_rules
 
     backwards, shape = _cuda_attention_backwards()
     backward = backwards[name]
@@ -612,7 +612,7 @@ def test_cuda_attention_backward_rules_fold_b_into_the_attention_batch(name, our
 
 
 def test_strides_of_wrapped_gather_indices_skip_sympys_full_simplify(monkeypatch):
-    """``lowering.inductor_strides_without_full_simplify``: while dynbatch lowers a graph, the
+    """``inductor.inductor_strides_without_full_simplify``: while dynbatch lowers a graph, the
     stride of an index holding Inductor's index functions (a gather's negative indices
     wrapped, inside ModularIndexing, as MACE's are) is the difference sympy builds, without
     ``sympy.simplify`` (0.3-16 s a call there), and equals what Inductor's own gives; a
@@ -620,7 +620,8 @@ def test_strides_of_wrapped_gather_indices_skip_sympys_full_simplify(monkeypatch
     import sympy
     from torch.utils._sympy.functions import ModularIndexing, Where
 
-    from dynbatch import _compat, lowering
+    from dynbatch import _compat
+    from dynbatch.lowering import inductor
 
     module = _compat.inductor_stride_at_module()
     original = module.stride_at
@@ -631,7 +632,7 @@ def test_strides_of_wrapped_gather_indices_skip_sympys_full_simplify(monkeypatch
     def refused(*args, **kwargs):
         raise AssertionError("sympy.simplify called")
 
-    with lowering.inductor_strides_without_full_simplify():
+    with inductor.inductor_strides_without_full_simplify():
         assert module.stride_at is not original
         with monkeypatch.context() as patched:
             patched.setattr(sympy, "simplify", refused)
@@ -642,7 +643,7 @@ def test_strides_of_wrapped_gather_indices_skip_sympys_full_simplify(monkeypatch
 
 
 def test_vector_index_ranges_of_wrapped_gather_indices_skip_sympys_full_simplify(monkeypatch):
-    """``lowering.inductor_vec_range_without_full_simplify``: while dynbatch lowers a graph,
+    """``inductor.inductor_vec_range_without_full_simplify``: while dynbatch lowers a graph,
     ``simplify_index_in_vec_range`` still replaces the loop variable's lane-uniform terms by
     symbols but calls no ``sympy.simplify`` (seconds on MACE's indices), and its index has
     the values of Inductor's own."""
@@ -651,7 +652,8 @@ def test_vector_index_ranges_of_wrapped_gather_indices_skip_sympys_full_simplify
     import sympy
     from torch.utils._sympy.functions import FloorDiv, ModularIndexing, Where
 
-    from dynbatch import _compat, lowering
+    from dynbatch import _compat
+    from dynbatch.lowering import inductor
 
     module = _compat.inductor_stride_at_module()
     original = module.simplify_index_in_vec_range
@@ -663,7 +665,7 @@ def test_vector_index_ranges_of_wrapped_gather_indices_skip_sympys_full_simplify
     def refused(*args, **kwargs):
         raise AssertionError("sympy.simplify called")
 
-    with lowering.inductor_vec_range_without_full_simplify():
+    with inductor.inductor_vec_range_without_full_simplify():
         ours = module.simplify_index_in_vec_range
         assert ours is not original
         with monkeypatch.context() as patched:

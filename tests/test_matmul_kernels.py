@@ -1,4 +1,4 @@
-"""The CPU matmul kernel choice (matmul_kernels.py, passes.route_matmuls), against eager's products and grads."""
+"""The CPU matmul kernel choice (cpu/matmul_kernels.py, aten_passes.route_matmuls), against eager's products and grads."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import dynbatch
-from dynbatch import matmul_kernels, native_gemm
-from dynbatch.passes import route_matmuls
+from dynbatch.cpu import matmul_kernels, native_gemm
+from dynbatch.lowering.aten_passes import route_matmuls
 from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
 
 aten = torch.ops.aten

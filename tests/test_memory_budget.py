@@ -1,4 +1,4 @@
-"""Batched grads within a memory budget (issue 9; dynbatch/memory.py, dynbatch/chunking.py).
+"""Batched grads within a memory budget (issue 9; dynbatch/planning/memory.py, dynbatch/planning/chunking.py).
 
 * The estimate: a hand-written graph between markers, its bytes per sample
   derived here from the shapes, not copied from a run.
@@ -24,7 +24,9 @@ import torch.autograd.functional as AF
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynbatch
-from dynbatch import chunking, cpu_buffers, memory
+from dynbatch.batching import markers
+from dynbatch.planning import chunking, memory
+from dynbatch.cpu import kept_buffers
 from dynbatch.bench.measure import _profiled_peak
 from dynbatch.options import Options, parse_memory_budget
 from conftest import DEFAULTS, INDUCTOR, assert_same_grads, compile_dynbatch, loop_grads
@@ -193,11 +195,11 @@ def test_auto_budget_leaves_a_cpu_backward_unchunked_where_malloc_keeps_freed_me
 
 def test_estimate_replays_allocations_between_the_markers_and_removes_them():
     def backward(x, v, weight):  # v: [B, 5]; three buffers depend on v
-        v = memory.batch_marker(v, "g", memory.COTANGENT)
+        v = markers.batch_marker(v, "g", markers.COTANGENT)
         h = v * x  # [B, 5]
         s = h.sin()  # [B, 5]; h is freed after this
         out = s @ weight  # [B, 7]
-        return memory.batch_marker(out, "g", memory.GRAD)
+        return markers.batch_marker(out, "g", markers.GRAD)
 
     args = (torch.randn(5), torch.randn(6, 5), torch.randn(5, 7))
     gm = make_fx(backward, tracing_mode="symbolic")(*args)
@@ -218,8 +220,8 @@ def test_estimate_replays_allocations_between_the_markers_and_removes_them():
 
 def test_estimate_follows_the_other_sizes_of_each_call():
     def backward(x, v):  # v: [B, n, n] -> [B, n]
-        v = memory.batch_marker(v, "g", memory.COTANGENT)
-        return memory.batch_marker((v * x).sum(-1), "g", memory.GRAD)
+        v = markers.batch_marker(v, "g", markers.COTANGENT)
+        return markers.batch_marker((v * x).sum(-1), "g", markers.GRAD)
 
     x, v = torch.randn(4, 4), torch.randn(3, 4, 4)
     gm = make_fx(backward, tracing_mode="symbolic")(x, v)
@@ -388,15 +390,15 @@ def test_a_b_sweep_of_grads_outside_the_region_across_the_budget(path, request):
         request.getfixturevalue("recompute_outside")
     calls = []
     if path == "saved":
-        from dynbatch import region_saved_backward
+        from dynbatch.region import saved_backward
 
-        real_run = region_saved_backward._Program.run
+        real_run = saved_backward._Program.run
 
         def run(self, args):
             calls.append(args[-1].shape[0])
             return real_run(self, args)
 
-        request.getfixturevalue("monkeypatch").setattr(region_saved_backward._Program, "run", run)
+        request.getfixturevalue("monkeypatch").setattr(saved_backward._Program, "run", run)
     x = torch.randn(4, 16, requires_grad=True)
     f = compile_dynbatch(lambda x: torch.tanh(torch.tanh(x @ W) @ W), options={"dynbatch.memory_budget": 2000},
                          fullgraph=False)
@@ -482,7 +484,7 @@ def test_inner_grad_upstream_of_the_inputs_is_refused():
 
 def _peak(fn, *args):
     fn(*args)  # warm: compile, caches
-    cpu_buffers.release()  # the call allocates its large buffers again: its whole peak counted
+    kept_buffers.release()  # the call allocates its large buffers again: its whole peak counted
     return _profiled_peak(lambda: fn(*args))
 
 

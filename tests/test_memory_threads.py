@@ -228,7 +228,7 @@ def test_four_threads_get_correct_grads(warm):
 # --- torch's FakeTensorMode guard on a CUDA build without a GPU --------------
 
 def test_lasting_thread_is_main_or_a_parked_daemon():
-    from dynbatch import fake_cuda_guard
+    from dynbatch.capture import fake_cuda_guard
 
     ran_on: list[threading.Thread] = []
     fake_cuda_guard.call_on_a_lasting_thread(lambda: ran_on.append(threading.current_thread()))
@@ -243,7 +243,7 @@ def test_lasting_thread_is_main_or_a_parked_daemon():
 def test_fake_cuda_guard_is_set_once_from_a_lasting_thread(monkeypatch):
     """Where torch would store a thread_local guard (a CUDA build, no GPU), the
     first compile sets it from a thread that outlives the compiling one."""
-    from dynbatch import fake_cuda_guard
+    from dynbatch.capture import fake_cuda_guard
 
     calls: list[threading.Thread] = []
     monkeypatch.setattr(fake_cuda_guard, "_FAKE_CUDA_GUARD_PINNED", False)
@@ -262,7 +262,7 @@ def test_fake_cuda_guard_is_set_once_from_a_lasting_thread(monkeypatch):
 FAKE_MODE_FROM_EXITED_THREADS = """
 import threading, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from dynbatch import fake_cuda_guard
+from dynbatch.capture import fake_cuda_guard
 
 def enter():
     with FakeTensorMode():

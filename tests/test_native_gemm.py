@@ -1,4 +1,4 @@
-"""dynbatch's own GEMM, its AVX2 and AVX-512 builds (native_gemm.py, csrc/sgemm.c), against float64 products."""
+"""dynbatch's own GEMM, its AVX2 and AVX-512 builds (cpu/native_gemm.py, csrc/sgemm.c), against float64 products."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dynbatch import matmul_kernels, native_gemm
+from dynbatch.cpu import matmul_kernels, native_gemm
 
 # The C source's blocking per build: row panels of MR, column panels of NR, K in blocks
 # of KC, N in blocks of NC, rows in blocks of MC per thread (one block of rows: B is

@@ -7,9 +7,9 @@ with eager PyTorch:
 
 * Hessians 13-37 % off: functorch batches ``index_add`` as an accumulating
   ``index_put`` into an *expanded* zeros tensor, which Inductor's reinplace pass wrote
-  in place (NOTE [Scatters into expanded tensors] in passes.py).
+  in place (NOTE [Scatters into expanded tensors] in lowering/aten_passes.py).
 * Training forces 2.6 % off, stock Inductor too: the C++ backend fused a read of a
-  scattered buffer before the scatter (``lowering.inductor_scheduler_keeps_mutation_renames``).
+  scattered buffer before the scatter (``inductor.inductor_scheduler_keeps_mutation_renames``).
 
 Also: ``dynbatch.verify`` catches a wrong kernel nobody has found yet and falls back;
 a grad called with keyword arguments (MACE's ``compute_forces``) is captured as a
@@ -30,7 +30,8 @@ import torch._dynamo.convert_frame as convert_frame
 from conftest import AOT_EAGER, INDUCTOR, compile_dynbatch
 
 import dynbatch
-from dynbatch import passes, region_program
+from dynbatch.lowering import aten_passes
+from dynbatch.region import program
 
 aten = torch.ops.aten
 
@@ -49,14 +50,14 @@ def test_clone_overlapping_scatter_targets_gives_an_expanded_target_its_own_stor
     targets = [n.args[0] for n in gm.graph.nodes if n.target is aten.index_put.default]
     assert [t.target for t in targets] == [aten.expand.default]
 
-    assert passes.clone_overlapping_scatter_targets(gm.graph) == 1
+    assert aten_passes.clone_overlapping_scatter_targets(gm.graph) == 1
     gm.recompile()
     (target,) = [n.args[0] for n in gm.graph.nodes if n.target is aten.index_put.default]
     assert target.target is aten.clone.default and target.args[0] is targets[0]
-    assert not passes._overlaps_itself(target.meta["val"])
+    assert not aten_passes._overlaps_itself(target.meta["val"])
     torch.testing.assert_close(gm(v, idx), f(v, idx))
     # A target with storage of its own is left alone.
-    assert passes.clone_overlapping_scatter_targets(gm.graph) == 0
+    assert aten_passes.clone_overlapping_scatter_targets(gm.graph) == 0
 
 
 # --- the Hessian of a message-passing energy ---------------------------------------
@@ -244,7 +245,7 @@ def test_verify_compares_the_inputs_a_graph_writes():
 
 
 def test_verify_mismatch_reports():
-    from dynbatch.verify import mismatch
+    from dynbatch.lowering.verify import mismatch
 
     a = torch.tensor([1.0, 2.0])
     assert mismatch((a,), (a.clone(),)) is None
@@ -377,7 +378,7 @@ def test_forward_mode_hessian_inside_equals_eager_and_draws_nothing():
 
 
 def test_product_measurement_draws_from_its_own_generator():
-    from dynbatch import matmul_kernels
+    from dynbatch.cpu import matmul_kernels
 
     state = torch.get_rng_state()
     a, b = matmul_kernels.operands(4, 3, 2, torch.float32, "cr")
@@ -420,7 +421,7 @@ def test_no_dynbatch_frame_is_traced_by_dynamo(frames_dynamo_compiles):
                                torch.autograd.functional.hessian(energy, r0, vectorize=True))
     ours = [c for c in frames_dynamo_compiles
             if c.co_filename.startswith(str(pathlib.Path(dynbatch.__file__).parent))
-            and c.co_name not in region_program._own_code.names]  # the programs dynbatch compiles on purpose
+            and c.co_name not in program._own_code.names]  # the programs dynbatch compiles on purpose
     assert ours == [], [f"{c.co_filename}:{c.co_name}" for c in ours]
     assert dynbatch.counters()["outside_plain"] >= 1
 

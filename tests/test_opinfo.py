@@ -190,7 +190,7 @@ SKIPS: dict[str, str] = {
 # and the sorts, diagonal/diagonal_scatter, max_unpool, grid_sampler, cross,
 # ...; and ops with no rule and no usable decomposition, which vmap runs once
 # per sample (cummax/cummin, _segment_reduce, pdist, masked_scatter,
-# fractional_max_pool, ...).  dynbatch's own rules (batch_rules.py) free
+# fractional_max_pool, ...).  dynbatch's own rules (batching/batch_rules.py) free
 # slice_backward, cat (split/chunk), gelu, glu, embedding, pixel_shuffle,
 # convolutions, layer, batch and group norm backward, the pooling and padding
 # backwards and the decomposable no-rule backwards (mish, rrelu, ...).
@@ -709,7 +709,7 @@ def _register_figures(request):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_regression_tensor_split_with_tensor_indices_is_batched():
     """tensor_split by a tensor of indices slices with data-dependent bounds.  The
-    symbolic slice_backward rule (dynbatch/batch_rules.py) branched on them in Python
+    symbolic slice_backward rule (dynbatch/batching/batch_rules.py) branched on them in Python
     ("Could not guard on data-dependent expression u2 < 0"): fullgraph=True failed
     where functorch's own rule batched.  Such bounds now take functorch's rule."""
     (op,) = [op for op in OPS_F32 if op_key(op) == "tensor_split"]

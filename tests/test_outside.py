@@ -1,4 +1,4 @@
-"""Grads taken outside a dynbatch-compiled region (issue 13; dynbatch/region.py).
+"""Grads taken outside a dynbatch-compiled region (issue 13; dynbatch/region/edge.py).
 
 A user compiles the model or the energy function, then differentiates it with
 the autograd APIs they already use: Hessians, batched Jacobians, create_graph,
@@ -159,9 +159,9 @@ def _on_a_device_thread(backward):
 def test_batched_jacobian_of_a_compiled_model_on_a_device_thread_runs_compiled(monkeypatch):
     """Seen on CUDA: the region read the device thread's vmap level (0) and took
     the eager path; the level now comes from the grads themselves."""
-    from dynbatch import region_backward
+    from dynbatch.region import paths as region_paths
 
-    monkeypatch.setattr(region_backward, "backward", _on_a_device_thread(region_backward.backward))
+    monkeypatch.setattr(region_paths, "backward", _on_a_device_thread(region_paths.backward))
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(2, 4, requires_grad=True)
@@ -317,7 +317,7 @@ def test_training_after_a_dynamic_recompile(monkeypatch):
     # which have no edge: AOTAutograd's node is still called directly on each graph's
     # first call, and is the caller's node on the later ones (NOTE [AOTAutograd's node
     # in the caller's graph]).
-    direct = _spy(monkeypatch, dynbatch.region_backward, "backward_called_directly")
+    direct = _spy(monkeypatch, dynbatch.region.paths, "backward_called_directly")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
     m = compile_dynbatch(model, options=INDUCTOR, fullgraph=False)
@@ -415,7 +415,7 @@ def test_inference_regions_are_called_directly():
 @pytest.mark.parametrize("options", [INDUCTOR, AOT_EAGER], ids=["inductor", "aot_eager"])
 def test_plain_backward_calls_aotautograds_node_and_keeps_the_callers_retain_graph(monkeypatch, options):
     # NOTE [AOTAutograd's backward, called directly], NOTE [Inner graph's lifetime]
-    direct = _spy(monkeypatch, dynbatch.region_backward, "backward_called_directly")
+    direct = _spy(monkeypatch, dynbatch.region.paths, "backward_called_directly")
     model = mlp()
     m = compile_dynbatch(model, options=options, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
@@ -436,7 +436,7 @@ def test_outputs_that_need_no_grad_skip_the_programs_node(monkeypatch):
     # NOTE [Outputs that need no grad]: a training step returns its loss detached and
     # leaves the grads in .grad; a batched Jacobian without create_graph returns grads
     # that do not require grad.  Neither call goes through _ProgramFunction.
-    nodes = _spy(monkeypatch, dynbatch.region_program._ProgramFunction, "apply")
+    nodes = _spy(monkeypatch, dynbatch.region.program._ProgramFunction, "apply")
     model = mlp()
     x = x64(5, 4)
 
@@ -469,7 +469,7 @@ def test_later_calls_put_aotautograds_node_in_the_callers_graph_and_route_its_ba
     # NOTE [AOTAutograd's node in the caller's graph]: the first call learns the shape
     # through the program's node; later calls return AOTAutograd's outputs, whose node
     # answers plain backwards itself and routes create_graph and batched ones to dynbatch.
-    programs = _spy(monkeypatch, dynbatch.region_program._ProgramFunction, "apply")
+    programs = _spy(monkeypatch, dynbatch.region.program._ProgramFunction, "apply")
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)
@@ -664,7 +664,7 @@ def test_the_engines_answer_for_leaves_reads_its_refusal_as_wanted():
 
     y = Probe.apply(x, w, u * 2).sum()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_compat, "engine_will_execute", counted)
+        mp.setattr(_compat.autograd, "engine_will_execute", counted)  # engine_will_execute_each's global
         grad(y, x, retain_graph=True)  # x captured, w not asked for, u through a MulBackward
         grad(y, [w, u], retain_graph=True)
         grad(y, [w], retain_graph=True)
@@ -697,7 +697,7 @@ def test_a_node_with_one_edge_asks_the_engine_nothing():
         raise AssertionError("asked the engine")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_compat, "engine_will_execute", refuse)
+        mp.setattr(_compat.autograd, "engine_will_execute", refuse)
         grad(Probe.apply(x, c).sum(), x)
         Probe.apply(c, x * 2).sum().backward()
     assert each == [(True, False), (False, True)]
@@ -707,11 +707,12 @@ def test_a_node_with_one_edge_asks_the_engine_nothing():
 def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, path):
     # NOTE [Only the grads a backward uses]: a batched Jacobian or the forces w.r.t. a leaf
     # x of a model whose parameters require grad asks the compiled backward for x's grads only.
-    from dynbatch import region_backward, region_saved_backward
+    from dynbatch.region import paths as region_paths
+    from dynbatch.region import saved_backward
 
     asked = []
-    real_vjp = dynbatch.region_program.Program.vjp
-    real_program = region_saved_backward._Program.__init__
+    real_vjp = dynbatch.region.program.Program.vjp
+    real_program = saved_backward._Program.__init__
 
     def vjp(self, receives, needed, *, batched=False):
         asked.append(needed)
@@ -721,10 +722,10 @@ def test_grads_wrt_the_data_compute_no_parameter_grads(monkeypatch, path):
         asked.append(wanted)
         real_program(self, graph, n_saved, wanted, *args)
 
-    monkeypatch.setattr(dynbatch.region_program.Program, "vjp", vjp)
-    monkeypatch.setattr(region_saved_backward._Program, "__init__", saved_program)
+    monkeypatch.setattr(dynbatch.region.program.Program, "vjp", vjp)
+    monkeypatch.setattr(saved_backward._Program, "__init__", saved_program)
     if path == "batched_recompute":
-        monkeypatch.setattr(region_backward, "batched_grads", lambda *args: None)
+        monkeypatch.setattr(region_paths, "batched_grads", lambda *args: None)
     model = mlp()
     m = compile_dynbatch(model, fullgraph=False)
     x = x64(5, 4, requires_grad=True)

@@ -1,5 +1,5 @@
 """Batched grads outside a compiled model from AOTAutograd's saved activations
-(NOTE [Batched grads from the saved activations] in dynbatch/region_saved_backward.py).
+(NOTE [Batched grads from the saved activations] in dynbatch/region/saved_backward.py).
 
 A user compiles the model and takes ``is_grads_batched`` grads or
 ``jacobian(vectorize=True)`` outside it: AOTAutograd's backward graph runs under
@@ -369,8 +369,8 @@ def test_the_saved_programs_views_are_reshapes_that_survive_b_inside_a_tensor():
     # AOTAutograd traces a view where the unbatched tensor is contiguous; under vmap a
     # tensor may hold B between the dims the view merges (NequIP's Hessian: [B, 8, 4, 3]
     # strides (3, 288, 72, 1)), and the view raised, sending it to the recompute path.  The
-    # saved program's graph reshapes instead (region_saved_backward._views_as_reshapes).
-    from dynbatch import region_saved_backward
+    # saved program's graph reshapes instead (saved_backward._views_as_reshapes).
+    from dynbatch.region import saved_backward
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -379,6 +379,6 @@ def test_the_saved_programs_views_are_reshapes_that_survive_b_inside_a_tensor():
     b_inside = torch.randn(8, 4, 5, 3)  # B = 5 between the merged dims, as vmap may hold it
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         torch.vmap(fn, in_dims=2)(b_inside)
-    region_saved_backward._views_as_reshapes(graph)
+    saved_backward._views_as_reshapes(graph)
     fn.recompile()
     torch.testing.assert_close(torch.vmap(fn, in_dims=2)(b_inside), b_inside.movedim(2, 0).reshape(5, 8, 12))

@@ -228,7 +228,7 @@ def sort_program(x, V):
 
 def test_layer_norm_keeps_batch_size_symbolic():
     """functorch's rule for native_layer_norm_backward reads B as an int;
-    dynbatch's own rule (batch_rules.py) does not: one recompile, then none."""
+    dynbatch's own rule (batching/batch_rules.py) does not: one recompile, then none."""
     compiled = compile_dynbatch(layer_norm_program)
     x = _x()
     for B in (2, 3):
@@ -390,7 +390,7 @@ def test_forward_mode_jacobians_keep_the_size_symbolic(name, api):
 def test_zero_tangent_kernels_match_atens(dtype):
     """dynbatch's ZeroTensor kernels give aten's values, dtypes and shapes, a
     zero tangent on either side (forward-mode jvps of mul, add, sub, div)."""
-    from dynbatch.zero_tangents import symbolic_zero_tangents
+    from dynbatch.batching.zero_tangents import symbolic_zero_tangents
 
     x = torch.arange(1, 7, dtype=dtype).reshape(2, 3)
     tangent = torch.ones(2, 3) if dtype.is_floating_point else None

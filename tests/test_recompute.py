@@ -1,4 +1,4 @@
-"""Store or recompute (recompute.py): each reduction of a large, cheap pointwise tensor
+"""Store or recompute (planning/recompute.py): each reduction of a large, cheap pointwise tensor
 computes it in its own loop where the cost model says so; values never change."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynbatch
-from dynbatch import fx_utils, recompute
+from dynbatch import fx_utils
+from dynbatch.planning import recompute
 from dynbatch.bench import workloads
 from dynbatch.graph_text import graph_text
 from conftest import INDUCTOR, assert_backend_ran, assert_same_grads, compile_dynbatch

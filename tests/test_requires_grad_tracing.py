@@ -14,7 +14,8 @@ import torch
 
 import dynbatch
 from conftest import FALLBACK, assert_same_grads, compile_dynbatch
-from dynbatch import _compat, requires_grad_tracing
+from dynbatch import _compat
+from dynbatch.batching import grad_pass
 
 
 @pytest.fixture(params=["backport", "this torch's dynamo"])
@@ -90,4 +91,4 @@ def _graph(returns_leaf_descendant: bool, requires_grad: bool) -> torch.fx.Graph
 @pytest.mark.parametrize("returns_leaf_descendant, requires_grad, leaks", [
     (True, True, True), (True, False, False), (False, True, False)])
 def test_leak_check_on_hand_built_graphs(returns_leaf_descendant, requires_grad, leaks):
-    assert requires_grad_tracing.leaks_traced_requires_grad(_graph(returns_leaf_descendant, requires_grad)) is leaks
+    assert grad_pass.leaks_traced_requires_grad(_graph(returns_leaf_descendant, requires_grad)) is leaks

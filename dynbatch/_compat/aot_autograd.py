@@ -1,0 +1,91 @@
+"""AOTAutograd: its config, its compiled node's saved state, and the tracing context's grad node.
+No version shim: each private name below (none has a public API) is alike on 2.11-2.14 (2.11.0-2.14.1
+sources); a ``getattr`` default only guards a later torch."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+__all__ = ["GRAD_NODE_META", "aot_autograd", "aot_backward_graph", "aot_config_patch",
+           "aot_mutated_inputs", "aot_mutates_differentiable_input",
+           "aot_records_no_donated_buffers", "aot_saved_for_backward", "current_grad_node_name",
+           "make_boxed_func"]
+
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd as _aot_autograd
+
+    return _aot_autograd(**kwargs)
+
+
+def make_boxed_func(fn: Callable) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func as _make_boxed_func
+
+    return _make_boxed_func(fn)
+
+
+def aot_config_patch(**settings: Any) -> Any:
+    """AOTAutograd config for one compile; settings a torch lacks are skipped (the two passed,
+    ``donated_buffer`` and ``enable_autograd_cache``, are on 2.11-2.14)."""
+    import torch._functorch.config as aot_config
+
+    return aot_config.patch(**{k: v for k, v in settings.items() if hasattr(aot_config, k)})
+
+
+def aot_records_no_donated_buffers() -> None:
+    """While AOTAutograd compiles a graph with ``donated_buffer=False``: its metadata's
+    ``bw_donated_idxs`` None -> [] (no donated buffers).  Its backward refuses ``retain_graph``
+    and ``create_graph`` unless [] while the global flag is on, read (from 2.12, ContextVar
+    config) in the context the engine copied at backward's start, which no toggle in a region's
+    backward reaches.  A lazy backward first run with ``retain_graph`` sets [] itself."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None and getattr(meta, "bw_donated_idxs", ()) is None:
+        meta.bw_donated_idxs = []
+
+
+def aot_mutates_differentiable_input() -> bool:
+    """While AOTAutograd compiles a graph: does it write in place to an input that
+    requires grad?  Unknown metadata answers True (the cautious answer)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    infos = getattr(meta, "input_info", None)
+    if infos is None:
+        return True
+    return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
+
+
+def aot_backward_graph(forward_cls: type) -> Any:
+    """The aten backward graph of an AOTAutograd ``CompiledFunction`` class, as traced: kept for
+    its lazy compile (``_lazy_backward_info.bw_module``), compiled or not; None where not kept
+    (a cached graph)."""
+    graph = getattr(getattr(forward_cls, "_lazy_backward_info", None), "bw_module", None)
+    return graph if isinstance(graph, torch.fx.GraphModule) else None
+
+
+def aot_saved_for_backward(ctx: Any) -> tuple[list, list, list]:
+    """(SymInts, tensors, opaque objects) an AOTAutograd node's forward saved, in its backward
+    graph's order (2.11-2.14 keep tensors saved without a version check, and opaques, apart)."""
+    return (list(ctx.symints), [*ctx.saved_tensors, *getattr(ctx, "_tensors_no_vc_check", ())],
+            list(getattr(ctx, "opaque_objects", ())))
+
+
+def aot_mutated_inputs() -> tuple[int, ...]:
+    """While AOTAutograd compiles a graph: the positions of the inputs it writes in place
+    (a BatchNorm's running statistics in training mode), by its metadata."""
+    context = torch._guards.TracingContext.try_get()
+    infos = getattr(getattr(context, "fw_metadata", None), "input_info", None) or ()
+    return tuple(i for i, info in enumerate(infos) if info.mutates_data or info.mutates_metadata)
+
+
+GRAD_NODE_META = "dynbatch_grad"  # node.meta key: the Dynamo grad node a batched_grad call came from
+
+
+def current_grad_node_name() -> str | None:
+    """The Dynamo grad node AOTAutograd is tracing now (it replays node meta while it traces;
+    ``torch.fx.traceback``'s meta functions, public names, alike on 2.11-2.14)."""
+    meta = torch.fx.traceback.get_current_meta() if torch.fx.traceback.has_preserved_node_meta() else None
+    return (meta or {}).get(GRAD_NODE_META)

@@ -1,0 +1,184 @@
+"""Inductor: its config, compile entry points, lowerings, extern kernels and codegen helpers.
+Version shims: ``inductor_stride_at_module``, ``inductor_inline_limits``.  Every other name is
+private (no public API for it) and alike on 2.11-2.14 (2.11.0-2.14.1 sources)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .functorch import outside_legacy_vmap
+
+
+__all__ = ["compile_fx", "compile_fx_inner", "custom_graph_pass_base", "inductor_cache_dir",
+           "inductor_config_patches", "inductor_config_value", "inductor_empty_strided_cpu",
+           "inductor_fallback", "inductor_inline_limits", "inductor_lowerings",
+           "inductor_patterns_registered", "inductor_stride_at_module", "inductor_sympy_subs",
+           "inductor_wrapper_function", "is_symbolic", "raise_inductor_inline_limits",
+           "register_extern_kernel", "storage_address", "storage_use_count"]
+
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """Translate torch.compile's ``mode``/``options`` as the inductor backend does, with its
+    validation (``_TorchCompileInductorWrapper``: an unknown option raises as there)."""
+    wrapper = torch._TorchCompileInductorWrapper(mode, options, None)
+    return dict(wrapper.config)
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory ($TORCHINDUCTOR_CACHE_DIR, else its per-user default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def inductor_config_value(name: str) -> Any:
+    """Inductor's global config setting ``name`` (what a graph gets unless its options patch it)."""
+    from torch._inductor import config as inductor_config
+
+    return getattr(inductor_config, name)
+
+
+def compile_fx(gm: Any, example_inputs: Any, *, inner_compile: Callable, config_patches: dict) -> Any:
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches)
+
+
+def compile_fx_inner() -> Callable:
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner
+
+
+def inductor_stride_at_module() -> Any:
+    """The module whose global ``stride_at`` Inductor's C++ vectorizer calls (through
+    ``stride_at_vec_range``, by its global name): ``torch._inductor.codegen.cpp`` on 2.11-2.12,
+    ``torch._inductor.sizevars`` on 2.13-2.14.  Retire the cpp branch when 2.12 is dropped."""
+    from torch._inductor import sizevars
+
+    if hasattr(sizevars, "stride_at"):
+        return sizevars
+    from torch._inductor.codegen import cpp
+
+    return cpp
+
+
+def inductor_sympy_subs(expr: Any, replacements: dict) -> Any:
+    """Inductor's substitution into an index expression (its symbols' assumptions kept)."""
+    from torch._inductor.utils import sympy_subs
+
+    return sympy_subs(expr, replacements)
+
+
+def custom_graph_pass_base() -> type:
+    """Base class Inductor requires of a cacheable ``post_grad_custom_pre_pass``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+@contextlib.contextmanager
+def inductor_lowerings(wrappers: dict) -> Iterator[None]:
+    """Inductor's lowering of each op replaced by ``wrappers[op](op, lowering)`` for the
+    length of the block (one graph's lowering); ``lowering`` is None for an op Inductor has
+    no lowering of, which gets one for the block only."""
+    from torch._inductor import lowering
+
+    saved = {op: lowering.lowerings.get(op) for op in wrappers}
+    try:
+        for op, original in saved.items():
+            lowering.lowerings[op] = wrappers[op](op, original)
+        yield
+    finally:
+        for op, original in saved.items():
+            if original is None:
+                lowering.lowerings.pop(op, None)
+            else:
+                lowering.lowerings[op] = original
+
+
+def inductor_fallback(op: torch._ops.OpOverload) -> Callable:
+    """Inductor's lowering that calls the aten kernel (an extern call)."""
+    from torch._inductor import lowering
+
+    return lowering.fallback_handler(op, add_to_fallback_set=False)
+
+
+def register_extern_kernel(name: str, fn: Callable) -> None:
+    """Make ``fn`` callable from Inductor's generated code as ``extern_kernels.<name>``
+    (where Inductor's own extern kernels live), also for code loaded from its FX cache."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    setattr(extern_kernels, name, fn)
+
+
+def is_symbolic(size: Any) -> bool:
+    """An Inductor IR size (sympy) or a SymInt that is not a plain number."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr.free_symbols != set()
+    return bool(getattr(size, "free_symbols", None))
+
+
+def inductor_inline_limits(device: str) -> tuple[int, int]:
+    """The ops and loads of a pointwise body above which Inductor stores it instead of
+    inlining it (ir.py ``has_large_inner_fn``, ``has_exceeded_max_reads``).  Plain ints on 2.11-2.12;
+    2.13-2.14 default them to None, "the device's" (``realize_cpu_*``): no branch to retire."""
+    from torch._inductor import config as c
+
+    ops, reads = c.realize_opcount_threshold, c.realize_acc_reads_threshold
+    cpu = device == "cpu"
+    if ops is None:
+        ops = c.realize_cpu_opcount_threshold if cpu else c._realize_opcount_threshold_default
+    if reads is None:
+        reads = c.realize_cpu_acc_reads_threshold if cpu else c._realize_acc_reads_threshold_default
+    return ops, reads
+
+
+def raise_inductor_inline_limits(device: str, ops: int, reads: int) -> None:
+    """At least ``ops`` and ``reads`` (inductor_inline_limits) for the graph being
+    compiled: the caller's config patch restores them."""
+    from torch._inductor import config as c
+
+    current_ops, current_reads = inductor_inline_limits(device)
+    c.realize_opcount_threshold = max(current_ops, ops)
+    c.realize_acc_reads_threshold = max(current_reads, reads)
+
+
+def inductor_empty_strided_cpu() -> Callable[[Any, Any, torch.dtype], torch.Tensor]:
+    """The function Inductor's generated code allocates a CPU buffer with: ``(size, stride, dtype)``."""
+    return torch._C._dynamo.guards._empty_strided_cpu
+
+
+def inductor_wrapper_function(compiled: Any) -> types.FunctionType | None:
+    """The function of a compiled program's generated Python wrapper that runs a call
+    (``Runner.call`` on 2.11-2.14; its module namespace is its ``__globals__``, where
+    ``empty_strided_cpu`` is bound), or None (a C++ wrapper, an unknown output type)."""
+    call = getattr(compiled, "current_callable", None)
+    call = getattr(call, "__func__", call)
+    return call if isinstance(call, types.FunctionType) else None
+
+
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, for ``storage_use_count`` while ``t`` keeps it alive."""
+    return t.untyped_storage()._cdata
+
+
+def storage_use_count(address: int) -> int:
+    """How many holders (tensors, storage objects) share the storage at ``address``, as
+    cudagraph_trees reads it."""
+    return torch._C._storage_Use_Count(address)
+
+
+def inductor_patterns_registered(device: torch.device | None) -> None:
+    """Register Inductor's pattern-matcher patterns now (lazily, at a process's first
+    compile, otherwise), with both vmaps set aside: it traces example functions."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
+        joint_graph.lazy_init(device)
+        post_grad.lazy_init()
