@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
-from . import _compat, fx_utils
+from . import _compat, fx_utils, records
 from .batching import grad_pass
 from .capture import grad_calls, requires_grad_tracing
 from .lowering import inductor, verify
@@ -51,8 +51,9 @@ def dynbatch_backend(
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
-    eager_gm, gm = gm, grad_pass.batch_vmapped_grads(gm)
-    result = grad_pass.batch_grads(gm)
+    with records.own_pass("batching_pass"):
+        eager_gm, gm = gm, grad_pass.batch_vmapped_grads(gm)
+        result = grad_pass.batch_grads(gm)
     record.batched, record.plain = result.batched, result.plain
     if result.unsupported:
         reason = "; ".join(f"{u.node}: {u.reason}" for u in result.unsupported)

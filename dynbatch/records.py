@@ -8,10 +8,14 @@ weak reference to the region it compiled into.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
+import time
 import weakref
-from typing import Any
+from typing import Any, Iterator
+
+from . import _compat
 
 _MAX_RECORDS = 64
 
@@ -35,6 +39,12 @@ class CompileRecord:
     chunk_program: bool = False  # compiled as the chunk program of a chunked grad (planning/chunking.py)
     # compiled as AOTAutograd's backward graph batched over its cotangents (region/saved_backward.py)
     saved_backward: bool = False
+    # Where this graph's first call went, in seconds (NOTE [Where a first call goes]):
+    # "dynamo", "aot_autograd", "dynbatch", "inductor", "cpp_compile"; a backward AOTAutograd
+    # compiles at its first call adds to them.  ``caches`` counts torch's cache lookups
+    # ("fxgraph_cache_hit", "autograd_cache_miss", ...) made meanwhile: cold or warm.
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    caches: dict[str, int] = dataclasses.field(default_factory=dict)
     # The region.Region this graph compiled into, while Dynamo's cache keeps it (a weak
     # reference: a record never keeps a graph alive); None where the graph fell back.
     # The benchmark's overhead command reaches a region's program through it.
@@ -61,6 +71,7 @@ class Stats:
             self.counters[name] += 1
 
     def add(self, record: CompileRecord) -> None:
+        _attach_to_open_span(record)
         with self._lock:
             self.records.append(record)
             if record.chunk_program or record.saved_backward:
@@ -94,3 +105,108 @@ class Stats:
 
 
 STATS = Stats()
+
+
+# NOTE [Where a first call goes]
+# A first call's seconds split by who spent them, from torch's own compile timers
+# (``_compat.compile_time_totals``) and dynbatch's (``own_pass``), as differences
+# over a *span*: a Dynamo frame compiled for dynbatch (capture/grad_calls.py), a
+# lowering dynbatch starts itself (region/saved_backward.py), or a backward that
+# AOTAutograd compiles at its first call (lowering/inductor.py).  Spans nest (a
+# chunk program's frame compiles inside its graph's backend): a span keeps only
+# what its children did not spend.  Inside a span,
+#   cpp_compile  = Inductor's C++ compiles and its waits for compile workers,
+#   inductor     = Inductor's inner compile less those and less dynbatch's aten passes,
+#   dynbatch     = dynbatch's passes (the batching pass, the memory plan, the aten passes),
+#   aot_autograd = the backend's time less Inductor's and dynbatch's,
+#   dynamo       = the frame's time less the backend's (zero outside a frame).
+# The records made while a span is the innermost open one get its seconds.
+
+PHASES = ("dynamo", "aot_autograd", "dynbatch", "inductor", "cpp_compile")
+_OWN_INSIDE_INDUCTOR = frozenset({"aten_passes"})  # run inside Inductor's inner compile
+_own_seconds: collections.Counter[str] = collections.Counter()
+_own_lock = threading.Lock()
+_spans = threading.local()
+
+
+@contextlib.contextmanager
+def own_pass(name: str) -> Iterator[None]:
+    """Count the seconds of one of dynbatch's own compile-time passes."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        with _own_lock:
+            _own_seconds[name] += time.perf_counter() - start
+
+
+def _totals() -> dict[str, float]:
+    with _own_lock:
+        own = dict(_own_seconds)
+    return {**_compat.compile_time_totals(), **{f"own.{k}": v for k, v in own.items()}}
+
+
+@dataclasses.dataclass
+class _Span:
+    frame: bool
+    start: float
+    totals: dict[str, float]
+    caches: dict[str, int]
+    records: list = dataclasses.field(default_factory=list)
+    children_seconds: float = 0.0
+    children_totals: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@contextlib.contextmanager
+def compile_span(*, frame: bool, record: CompileRecord | None = None) -> Iterator[None]:
+    """Time a compile (NOTE [Where a first call goes]); ``record``: a record made before it."""
+    stack = _spans.__dict__.setdefault("stack", [])
+    span = _Span(frame, time.perf_counter(), _totals(), _compat.compile_cache_counts())
+    if record is not None:
+        span.records.append(record)
+    stack.append(span)
+    try:
+        yield
+    finally:
+        stack.pop()
+        seconds = time.perf_counter() - span.start
+        spent = {k: v - span.totals.get(k, 0.0) for k, v in _totals().items()}
+        caches = {k: v - span.caches.get(k, 0) for k, v in _compat.compile_cache_counts().items()}
+        if stack:  # the parent keeps only what this span did not spend
+            stack[-1].children_seconds += seconds
+            stack[-1].children_totals.update(spent)
+        mine = {k: v - span.children_totals.get(k, 0.0) for k, v in spent.items()}
+        phases = _phases(seconds - span.children_seconds, mine, span.frame)
+        for r in span.records:
+            for k, v in phases.items():
+                r.seconds[k] = r.seconds.get(k, 0.0) + v
+            for k, v in caches.items():
+                if v:
+                    r.caches[k] = r.caches.get(k, 0) + v
+
+
+def in_compile_span() -> bool:
+    return bool(getattr(_spans, "stack", None))
+
+
+def _phases(seconds: float, spent: dict[str, float], frame: bool) -> dict[str, float]:
+    own = sum(v for k, v in spent.items() if k.startswith("own."))
+    own_inside = sum(spent.get(f"own.{k}", 0.0) for k in _OWN_INSIDE_INDUCTOR)
+    inner = spent.get("inductor", 0.0)
+    # C++ that Inductor builds outside its inner compile (a wrapper loaded later) counts
+    # as AOTAutograd's: no second, so the phases sum to the span's seconds.
+    cpp = min(spent.get("cpp_compile", 0.0), max(inner - own_inside, 0.0))
+    backend = spent.get("backend", 0.0) if frame else seconds
+    return {
+        "dynamo": max(seconds - backend, 0.0),
+        "aot_autograd": max(backend - inner - (own - own_inside), 0.0),
+        "dynbatch": own,
+        "inductor": max(inner - cpp - own_inside, 0.0),
+        "cpp_compile": cpp,
+    }
+
+
+def _attach_to_open_span(record: CompileRecord) -> None:
+    stack = getattr(_spans, "stack", None)
+    if stack:
+        stack[-1].records.append(record)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 
-__all__ = ["dynamo_control_exceptions", "dynamo_disable", "dynamo_exceptions", "dynamo_skip_frame",
+__all__ = ["compile_cache_counts", "compile_time_totals", "dynamo_control_exceptions", "dynamo_disable", "dynamo_exceptions", "dynamo_skip_frame",
            "dynamo_torch_function_handlers", "dynamo_utils_module", "graph_break",
            "mark_batch_dynamic", "register_backend", "restart_analysis_exceptions",
            "trace_autograd_ops_enabled"]
@@ -104,3 +104,32 @@ def restart_analysis_exceptions() -> tuple[type[BaseException], ...]:
     TensorifyScalarRestartAnalysis); a backend must let these through."""
     restart = getattr(dynamo_exceptions(), "RestartAnalysis", None)
     return (restart,) if restart is not None else ()
+
+
+# Torch's compile timers (``dynamo_timed`` keys) a first call is split by
+# (NOTE [Where a first call goes] in records.py), and the name each is read as.
+_COMPILE_TIMERS = {
+    "backend": ("OutputGraph.call_user_compiler",),
+    "inductor": ("compile_fx_inner",),
+    "cpp_compile": ("compile_file", "async_compile.wait"),
+}
+_CACHE_COUNTERS = {
+    "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
+}
+
+
+def compile_time_totals() -> dict[str, float]:
+    """Seconds spent so far in each of torch's compile phases dynbatch splits a first call
+    by (``torch._dynamo.utils.compilation_time_metrics``, private; same keys 2.11-2.14)."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    return {name: sum(sum(metrics.get(key, ())) for key in keys) for name, keys in _COMPILE_TIMERS.items()}
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """Lookups so far in Inductor's FX graph cache and AOTAutograd's cache, by outcome
+    (``torch._dynamo.utils.counters``, private; same names 2.11-2.14)."""
+    from torch._dynamo.utils import counters
+
+    return {key: counters[group][key] for group, keys in _CACHE_COUNTERS.items() for key in keys}

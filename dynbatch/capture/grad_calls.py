@@ -53,6 +53,7 @@ from ..batching import batch_rules, zero_tangents
 from . import fake_cuda_guard, requires_grad_tracing
 from ..batching.batched_grad import batched_grad, forward_mode_jacobian, vmap_in_one_call
 from ..batching.grad_pass import TRACE_ERROR, UNSUPPORTED
+from .. import records
 from ..records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -112,10 +113,14 @@ def unwrap_backend(fn: Any) -> Any:
     return fn
 
 
-def _scope_for(backend: Any) -> contextlib.AbstractContextManager:
-    if getattr(backend, "_dynbatch_backend", False):
-        return capture_scope()
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _scope_for(backend: Any) -> Iterator[None]:
+    if not getattr(backend, "_dynbatch_backend", False):
+        yield
+        return
+    # The frame's seconds go to the records it makes (NOTE [Where a first call goes] in records.py).
+    with records.compile_span(frame=True), capture_scope():
+        yield
 
 
 @contextlib.contextmanager

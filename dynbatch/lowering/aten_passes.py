@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .. import _compat, fx_utils
+from .. import _compat, fx_utils, records
 from ..cpu import matmul_kernels
 from ..planning import recompute
 
@@ -216,6 +216,10 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         self.counts: dict[str, int] = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        with records.own_pass("aten_passes"):
+            self._run(graph)
+
+    def _run(self, graph: torch.fx.Graph) -> None:
         if self.users_pass is not None:
             self.counts = {"clone_overlapping_scatter_targets": clone_overlapping_scatter_targets(graph)}
             self.users_pass(graph)

@@ -20,7 +20,7 @@ import sympy
 import torch
 import torch.fx
 
-from .. import _compat, fail_soft, fx_utils
+from .. import _compat, fail_soft, fx_utils, records
 from ..cpu import kept_buffers, matmul_kernels
 from ..batching import markers
 from ..planning import memory
@@ -181,7 +181,8 @@ def _without_simplify(original: Callable) -> Callable:
 def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_text: bool,
               planner: memory.Planner, fused: bool) -> None:
     # First the plan: it removes planning/memory.py's markers, which no compiler or record should see.
-    planner.observe(gm, fused)
+    with records.own_pass("memory_plan"):
+        planner.observe(gm, fused)
     record.aten_node_counts.append(count_nodes(gm))
     if keep_text:
         record.aten_graphs.append(graph_text(gm, title))
@@ -203,6 +204,12 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     inner = _compat.compile_fx_inner()
 
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
+        # A backward AOTAutograd compiles at its first call: its seconds join the record's.
+        with (contextlib.nullcontext() if records.in_compile_span()
+              else records.compile_span(frame=False, record=record)):
+            return inner_compile(aten_gm, aten_inputs, **kwargs)
+
+    def inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
         _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
         # Inductor's scheduler can read a scattered buffer before the scatter runs

@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx
 
-from .. import _compat, fail_soft
+from .. import _compat, fail_soft, records
 from ..batching import batch_rules, markers
 from ..lowering import inductor
 from ..planning import memory
@@ -329,6 +329,7 @@ class _Program:
         # Estimates only (a budget nothing exceeds): the chunks are this module's loop.
         collecting = memory.Planner(sys.maxsize if self.planner.active else None, None)
         with _compat.in_tracing_context(_tracing_context(mode)), torch.no_grad(), \
+                records.compile_span(frame=False, record=record), \
                 fail_soft.soft("dynbatch's batching rules", batch_rules.symbolic_batch_rules):
             self.compiled = inductor.lower(module, fakes, options, record, collecting)
         self.sizes_pass = _guards(mode, fakes)
