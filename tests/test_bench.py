@@ -1,8 +1,8 @@
 """The benchmark (issue 3): a ``--quick`` run end to end, as CI's smoke test.
 
 One run through ``dynbatch.bench.__main__.main`` into a temporary folder
-(about two minutes on 2 cores; the stock column runs on the sweep workload only
-in quick mode), then checks on what it wrote.  Errors are judged against the
+(about two minutes on one core: one tiny case per workload, the compiled columns
+but dynbatch on the sweep only), then checks on what it wrote.  Errors are judged against the
 eager loop's result from the same run, never against stored numbers.
 """
 
@@ -17,13 +17,15 @@ import torch
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from dynbatch.bench import VARIANTS, WORKLOADS, peak, runner, training, variants, workloads  # noqa: E402
-from dynbatch.bench.__main__ import main, parse_args, settings_from  # noqa: E402
+from dynbatch.bench import VARIANTS, WORKLOADS, cells, peak, plots, runner, training, variants, workloads  # noqa: E402
+from dynbatch.bench.__main__ import QUICK_EVERY_WORKLOAD, main, parse_args, settings_from  # noqa: E402
 from dynbatch.bench.measure import memory_method, short_error  # noqa: E402
 from dynbatch.bench.problem import BatchedMemory  # noqa: E402
 from dynbatch.bench.report import Footnotes  # noqa: E402
 
 STATUSES = ("ok", "skipped: ", "crashed: ", "timed out after ")
+# What --quick draws: plots.py's every figure.
+FIGURES = ("time_vs_batch", "compile_vs_batch", "memory_vs_batch", "speedup", "training")
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +36,45 @@ def quick_run(tmp_path_factory):
 
 
 @pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
-def test_writes_json_markdown_and_plots(quick_run):
+def test_writes_json_markdown_and_every_plot(quick_run):
     out, _ = quick_run
-    for name in ("results.json", "results.md", "time_vs_batch.png", "compile_vs_batch.png", "memory_vs_batch.png",
-                 "speedup.png"):
+    for name in ("results.json", "results.md"):
         assert (out / name).stat().st_size > 0, name
-    for name in ("time_vs_batch.png", "memory_vs_batch.png"):
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert sorted(path.stem for path in out.glob("*.png")) == sorted(FIGURES)
+    for name in FIGURES:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_quick_runs_one_small_case_per_workload():
+    """What --quick covers, without running it: every workload (the sweep's three B, where
+    recompiles show); each column on some workload; each plot that results so shaped draw."""
+    args = parse_args(["--quick"])
+    s = settings_from(args)
+    assert s.workloads == (*WORKLOADS, *training.WORKLOADS)
+    cpu = torch.device("cpu")
+    cases = {name: [c.label for p in workloads.build(name, s.tier, None, cpu) for c in p.cases] for name in WORKLOADS}
+    assert cases.pop("sweep") == ["B=2", "B=3", "B=5"]
+    assert all(len(labels) == 1 for labels in cases.values()), cases
+    assert [(p.name, len(p.cases)) for p in training.force_training(s.tier, cpu)] == [("force_training/pair", 1)]
+    # every column runs: on every workload, or on the sweep alone
+    assert set(s.column_workloads) | set(QUICK_EVERY_WORKLOAD) == set(s.variants)
+    assert all(s.runs(v, "sweep") for v in s.variants) and set(s.column_workloads.values()) == {("sweep",)}
+    # a problem and a training step: every figure
+    case = {"label": "B=2", "batch": 2, "variants": {"dynbatch": {"status": "ok", "median_s": 1.0}}}
+    shaped = {"meta": {"device_name": "cpu", "variants": ["dynbatch"]},
+              "problems": [{"workload": "sweep", "problem": "sweep", "cases": [case]}],
+              "training": [{"problem": "force_training/pair", "cases": []}]}
+    assert sorted(plots.figures(shaped)) == sorted(FIGURES)
 
 
 @pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
 def test_every_workload_and_every_variant_per_case(quick_run):
     _, results = quick_run
     assert {p["workload"] for p in results["problems"]} == set(WORKLOADS)
+    assert {p["workload"] for p in results["training"]} == set(training.WORKLOADS)
+    # each column ran somewhere (jax where installed)
+    ran = {v for _, case in cells.rows(results) for v, cell in case["variants"].items() if cell["status"] == "ok"}
+    assert ran == set(VARIANTS) - set(variants.CUDA_ONLY) - (set() if results["meta"]["jax"] else {"jax"})
     for problem in results["problems"]:
         assert problem["cases"], problem["problem"]
         for case in problem["cases"]:
@@ -71,7 +99,7 @@ def test_every_workload_and_every_variant_per_case(quick_run):
 def test_force_training_columns_match_eager_and_stock_compile_refuses(quick_run):
     out, results = quick_run
     problems = results["training"]
-    assert {p["problem"] for p in problems} == {"force_training/pair", "force_training/message_passing"}
+    assert [p["problem"] for p in problems] == ["force_training/pair"]
     for problem in problems:
         for case in problem["cases"]:
             cells = case["variants"]
@@ -96,8 +124,10 @@ def test_force_training_columns_match_eager_and_stock_compile_refuses(quick_run)
 def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):
     _, results = quick_run
     for problem in results["problems"]:
-        assert problem["dynbatch"]["fallbacks"] == 0, problem["dynbatch"]["fallback_reasons"]
-        assert problem["dynbatch"]["graphs_batched"] >= 1, problem["problem"]
+        # dynbatch_budget: the sweep's (--quick runs it there only)
+        for column in ("dynbatch", "dynbatch_budget")[:1 + (problem["workload"] == "sweep")]:
+            assert problem[column]["fallbacks"] == 0, problem[column]["fallback_reasons"]
+            assert problem[column]["graphs_batched"] >= 1, (problem["problem"], column)
         for case in problem["cases"]:
             where = (problem["problem"], case["label"])
             loop, ours = case["variants"]["eager_loop"], case["variants"]["dynbatch"]
@@ -110,9 +140,9 @@ def test_dynbatch_batches_and_matches_the_eager_loop(quick_run):
             assert ours["max_abs_err"] <= tolerance, (where, ours["max_abs_err"], tolerance)
             # The tight-budget configuration computes the same thing, chunked or not.
             budget = case["variants"]["dynbatch_budget"]
-            assert budget["status"] == "ok", (where, budget["status"])
-            assert budget["max_abs_err"] <= tolerance, (where, budget["max_abs_err"], tolerance)
-        assert problem["dynbatch_budget"]["fallbacks"] == 0, problem["dynbatch_budget"]["fallback_reasons"]
+            if problem["workload"] == "sweep":
+                assert budget["status"] == "ok", (where, budget["status"])
+                assert budget["max_abs_err"] <= tolerance, (where, budget["max_abs_err"], tolerance)
 
 
 @pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
@@ -126,19 +156,16 @@ def test_chunked_vmap_matches_the_eager_loop(quick_run):
 
 
 @pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
-def test_full_hessian_runs_both_energies_unchunked(quick_run):
+def test_full_hessian_runs_unchunked(quick_run):
     _, results = quick_run
-    problems = {p["problem"]: p for p in results["problems"] if p["workload"] == "full_hessian"}
-    assert set(problems) == {"full_hessian/lj", "full_hessian/pair_mlp"}
-    for problem in problems.values():
-        assert problem["chunk"] is None  # one batched grad over the whole basis
-        for case in problem["cases"]:
-            n = int(case["label"].removeprefix("N="))
-            assert case["batch"] == 3 * n
-            for variant, cell in case["variants"].items():
-                if variant not in ("stock_compile", "jax"):  # the only columns quick mode may skip
-                    assert cell["status"] == "ok", (problem["problem"], variant, cell["status"])
-                    assert cell["peak_mem_bytes"] > 0, (problem["problem"], variant)
+    (problem,) = [p for p in results["problems"] if p["workload"] == "full_hessian"]
+    assert problem["problem"] == "full_hessian/lj" and problem["chunk"] is None  # one batched grad, the whole basis
+    (case,) = problem["cases"]
+    assert case["batch"] == 3 * int(case["label"].removeprefix("N="))
+    for variant in QUICK_EVERY_WORKLOAD:
+        cell = case["variants"][variant]
+        assert cell["status"] == "ok" and cell["peak_mem_bytes"] > 0, (variant, cell)
+    assert case["variants"]["compiled_func"]["status"] == "skipped: this run times compiled_func on sweep only"
 
 
 @pytest.mark.slow  # the quick run of every workload and column: a sweep (minutes, cold Inductor)
@@ -174,11 +201,17 @@ def test_markdown_shows_ratios_and_notes(quick_run):
 def test_quick_settings_and_flags(tmp_path):
     s = settings_from(parse_args(["--quick", "--workloads", "gelu_vjp,hessian", "--batch-sizes", "2,3"]))
     assert s.tier == "quick" and s.workloads == ("gelu_vjp", "hessian") and s.batch_sizes == (2, 3)
-    assert s.stock_workloads == ("gelu_vjp",) and not s.cold_compile_cache and s.atoms is None
-    assert settings_from(parse_args([])).tier == "cpu"
+    assert not s.cold_compile_cache and s.atoms is None
+    # no sweep: the compiled columns but dynbatch run on the first workload
+    assert s.column_workloads == {v: ("gelu_vjp",) for v in s.variants if v not in QUICK_EVERY_WORKLOAD}
+    assert s.runs("stock_compile", "gelu_vjp") and not s.runs("jax", "hessian") and s.runs("dynbatch", "hessian")
+    assert settings_from(parse_args([])).tier == "cpu" and settings_from(parse_args([])).column_workloads == {}
     assert settings_from(parse_args([])).variants == tuple(v for v in VARIANTS if v not in variants.CUDA_ONLY)
     s = settings_from(parse_args(["--quick", "--stock-workloads", "hessian,sweep"]))
-    assert s.stock_workloads == ("hessian", "sweep")
+    assert s.column_workloads["stock_compile"] == ("hessian", "sweep") and s.column_workloads["jax"] == ("sweep",)
+    # the reference column runs wherever dynbatch does
+    s = settings_from(parse_args(["--quick", "--variants", "compiled_func,dynbatch"]))
+    assert s.reference == "compiled_func" and s.column_workloads == {}
     with pytest.raises(variants.VariantUnavailable, match="CUDA"):
         variants.build("dynbatch_cudagraphs", workloads.build("sweep", "quick", None, torch.device("cpu"), None)[0],
                        torch.device("cpu"))
@@ -523,8 +556,8 @@ def test_ab_times_a_force_training_column_per_setting(capsys):
     assert main(["ab", "dynbatch.cpu_matmul=aten,flipped", "--option", "dynbatch.inner_compiler=aot_eager",
                  "--quick", "--workloads", "force_training", "--column", "dynbatch_model_out"]) == 0
     rows = _table(capsys.readouterr().out)
-    assert {r["problem"] for r in rows} == {"force_training/pair", "force_training/message_passing"}
-    assert [r["column"] for r in rows] == ["dynbatch.cpu_matmul=aten", "dynbatch.cpu_matmul=flipped"] * 2
+    assert {r["problem"] for r in rows} == {"force_training/pair"}  # the quick tier's one model
+    assert [r["column"] for r in rows] == ["dynbatch.cpu_matmul=aten", "dynbatch.cpu_matmul=flipped"]
     for row in rows:
         assert _number(row["median ms"]) > 0, row
         assert _number(row["max abs diff"]) <= 1e-3, row  # the same parameter grads either way
@@ -572,7 +605,7 @@ def test_ab_reads_option_values_as_python_does():
 
 
 def test_gemm_times_every_kernel(capsys, tmp_path):
-    from dynbatch import matmul_kernels
+    from dynbatch.cpu import matmul_kernels
 
     out = tmp_path / "gemm.md"
     assert main(["gemm", "--quick", "--m", "8,64", "--kn", "16", "--out", str(out)]) == 0

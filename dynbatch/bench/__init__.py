@@ -20,7 +20,11 @@ Modules, one concern each:
 - __main__.py: the command line: the run above, or one of the commands
   ``overhead`` (overhead.py: where a small call's time goes), ``ab`` (ab.py: one
   option at several settings, side by side), ``gemm`` (gemm.py: one CPU
-  product by each kernel) and ``report`` (report.py: the docs' tables).
+  product by each kernel), ``report`` (report.py: the docs' tables),
+  ``ab_per_process`` (ab_per_process.py: one case at two settings, each in a fresh
+  process), ``outside_floor`` (outside_floor.py: a grad outside a compiled model beside
+  torch's own costs), ``hessian_rows`` (hessian_rows.py: the hessian rows through one
+  column alone) and ``mace_compile`` (mace_compile.py: MACE's compile time).
 """
 
 from .variants import REFERENCE, VARIANTS

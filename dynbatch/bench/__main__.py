@@ -1,5 +1,5 @@
 """Command line: ``python -m dynbatch.bench [--quick] [--device cuda] ...``, or
-``python -m dynbatch.bench overhead|ab|gemm|report ...`` (COMMANDS)."""
+``python -m dynbatch.bench <command> ...``, one of COMMANDS (overhead, ab, gemm, report, ...)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ from .workloads import WORKLOADS
 # own: training.py, mace_workload.py).  The real model runs when named: minutes of compiles.
 DEFAULT_WORKLOADS = [*WORKLOADS, *training.WORKLOADS]
 ALL_WORKLOADS = [*DEFAULT_WORKLOADS, *mace_workload.WORKLOADS]
+# --quick runs these columns on every workload: the eager ones compile nothing, and dynbatch
+# is what the bench is for.
+QUICK_EVERY_WORKLOAD = ("eager_loop", "eager_batched", "eager_vmap", "eager_vmap_chunked", "dynbatch")
 # python -m dynbatch.bench <command> ...: each in a module of its own, imported when named.
 COMMANDS = {"overhead": "per-call overhead of the columns: where a small call's time goes",
             "ab": "A/B of dynbatch or Inductor options on the same cells, side by side",
             "gemm": "one CPU matrix product by each kernel (ATen, oneDNN, OpenBLAS, dynbatch's AVX2 GEMM, XLA)",
-            "report": "the tables and plots docs/benchmarks.md shows, rewritten from results JSON files"}
+            "report": "the tables and plots docs/benchmarks.md shows, rewritten from results JSON files",
+            "ab_per_process": "A/B of a dynbatch option on one case at a time, each setting alone in a fresh process",
+            "outside_floor": "a batched grad outside a compiled model per call, beside what torch itself costs",
+            "hessian_rows": "the hessian rows through one column alone, compiled static, dynamic or hinted",
+            "mace_compile": "first and second call of one of MACE's calls through dynbatch, and gcc's seconds"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,8 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                + "; ".join(f"dynbatch-bench {name}: {what}" for name, what in COMMANDS.items()),
     )
     cli.add_problem_flags(parser, ALL_WORKLOADS, default_workloads=DEFAULT_WORKLOADS,
-                          quick_help="tiny sizes and short timing budgets (the CI smoke test, about 2 minutes "
-                                     "on 2 cores)")
+                          quick_help="the CI smoke test, about 2 minutes on one core: one tiny case per "
+                                     "workload (the sweep's three B), every column but dynbatch and the eager "
+                                     "ones on the sweep only, short timing budgets")
     parser.add_argument("--variants", type=lambda t: cli.names(t, list(VARIANTS), "variant(s)"),
                         default=None, help=f"comma list of columns, default all ({','.join(VARIANTS)}), "
                                            f"less {','.join(CUDA_ONLY)} on the CPU")
@@ -64,15 +72,28 @@ def _budget(args: argparse.Namespace) -> measure.Budget:
     return measure.Budget.single_call() if args.single_call else cli.budget(args)
 
 
+def quick_column_workloads(workloads, columns, reference: str) -> dict[str, tuple[str, ...]]:
+    """--quick: each column but the reference and QUICK_EVERY_WORKLOAD on one workload, the
+    sweep (else the first batched-grad one): compiles dominate the smoke test, and the
+    sweep's batch sizes show each column's recompiles (stock_compile crashes on a new B there)."""
+    batched = [w for w in workloads if w in WORKLOADS]
+    if not batched:
+        return {}
+    one = "sweep" if "sweep" in batched else batched[0]
+    return {column: (one,) for column in columns if column not in (*QUICK_EVERY_WORKLOAD, reference)}
+
+
 def settings_from(args: argparse.Namespace) -> runner.Settings:
     device = cli.device(args)
-    # The smoke test runs the slow-to-compile stock column on the sweep only: that is
-    # where it crashes on a new batch size, the behaviour the column exists to show.
-    stock_workloads = tuple(args.stock_workloads) if args.stock_workloads else None
-    if args.quick and stock_workloads is None:
-        stock_workloads = ("sweep",) if "sweep" in args.workloads else tuple(args.workloads[:1])
     columns = tuple(args.variants) if args.variants else tuple(
         v for v in VARIANTS if device.type == "cuda" or v not in CUDA_ONLY)
+    # Errors are read against eager_loop where it runs, else (a run that leaves the loop
+    # out, as --single-call sizes or a short device run do) the first in-process column
+    # to run (VARIANTS order; eager_loop comes first).
+    reference = next((v for v in VARIANTS if v in columns and v != "stock_compile"), TRUTH)
+    column_workloads = quick_column_workloads(args.workloads, columns, reference) if args.quick else {}
+    if args.stock_workloads:
+        column_workloads["stock_compile"] = tuple(args.stock_workloads)
     return runner.Settings(
         device=device,
         tier=cli.tier(args),
@@ -86,13 +107,10 @@ def settings_from(args: argparse.Namespace) -> runner.Settings:
         cold_compile_cache=not (args.warm_cache or args.quick),
         progress=not args.no_progress,
         threads=args.threads,
-        stock_workloads=stock_workloads,
+        column_workloads=column_workloads,
         overlap_stock_start=args.quick,
         interleave=not (args.sequential or args.single_call),
-        # Errors are read against eager_loop where it runs, else (a run that leaves the loop
-        # out, as --single-call sizes or a short device run do) the first in-process column
-        # to run (VARIANTS order; eager_loop comes first).
-        reference=next((v for v in VARIANTS if v in columns and v != "stock_compile"), TRUTH),
+        reference=reference,
     )
 
 

@@ -16,9 +16,9 @@ Per case, the columns are first called in turn (the first call, compile included
 peak memory; the difference from the first column's result), then timed
 interleaved (measure.interleaved_times), so a drifting machine slows every column
 alike.  Also per cell: the minor page faults of one steady call (getrusage), the
-memory plan of the graphs the case compiled (memory.py) and the cores the timed
+memory plan of the graphs the case compiled (planning/memory.py) and the cores the timed
 calls kept busy; at the end, the CPU product kernels ``cpu_matmul="auto"``
-measured (matmul_kernels.py).  ``--out FILE.json`` also writes the rows with the
+measured (cpu/matmul_kernels.py).  ``--out FILE.json`` also writes the rows with the
 run's provenance, for ``python -m dynbatch.bench report`` to show as a table
 (part ``ab``, NOTE [Generated blocks] in report.py) instead of figures copied into prose.
 """
@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import dynbatch
-from dynbatch import matmul_kernels
+from dynbatch.cpu import matmul_kernels
 
 from . import cli, measure, runner, training, variants
 from .workloads import WORKLOADS
@@ -211,7 +211,7 @@ def _compiles() -> int:
 
 
 def _plans(records) -> str:
-    """The graphs a case compiled and how each runs its batched grads (memory.py's plan)."""
+    """The graphs a case compiled and how each runs its batched grads (planning/memory.py's plan)."""
     plans = []
     for record in records:
         if record.chunk_program:

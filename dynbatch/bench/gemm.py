@@ -5,7 +5,7 @@
     python -m dynbatch.bench gemm --m 128,1024,4096 --k 128,1024,4096 --n 128,1024,4096 --layout rr
 
 ``[M, K] @ [N, K].T``, the batched backward's tall product (NOTE [CPU matmul
-kernels] in dynbatch/matmul_kernels.py), or ``[M, K] @ [K, N]`` with ``--layout rr``,
+kernels] in dynbatch/cpu/matmul_kernels.py), or ``[M, K] @ [K, N]`` with ``--layout rr``,
 for K = N (``--kn``) or every K and N given (``--k``, ``--n``), by a plain
 ``torch.mm`` and each kernel of ``matmul_kernels.KERNELS`` (ATen's ``mm``, which calls MKL on x86, the same on
 the transposed problem, oneDNN's linear, numpy's OpenBLAS and dynbatch's own GEMM's AVX2
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from dynbatch import matmul_kernels
+from dynbatch.cpu import matmul_kernels
 
 from . import cli, measure, peak
 
@@ -79,7 +79,7 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 # What decides whether a large output is fresh pages at each call (NOTE [huge pages for
-# large outputs], NOTE [Streamed stores] in native_gemm.py): named in every table.
+# large outputs], NOTE [Streamed stores] in cpu/native_gemm.py): named in every table.
 ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from dynbatch import cpu_buffers
+from dynbatch.cpu import kept_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +195,7 @@ def peak_memory(fn: Callable[[], Any], sync: Callable[[], None], device: torch.d
         sync()
         return max(0, torch.cuda.max_memory_allocated(device) - base), CUDA_MEMORY
     if torch_tensors:
-        cpu_buffers.release()  # what dynbatch's programs keep between calls, allocated again and counted
+        kept_buffers.release()  # what dynbatch's programs keep between calls, allocated again and counted
         try:
             return _profiled_peak(fn), CPU_MEMORY
         except Exception:  # noqa: BLE001 - the profiler's internals move; fall back to RSS

@@ -19,8 +19,8 @@ from .measure import fmt_us, median_us
 # ``dynbatch_outside`` times the compiled model's forward and the is_grads_batched grad
 # taken around it (variants.outside_program).  Each of its calls is cut at the compiled
 # model's calls (``OptimizedModule.__call__``) and at dynbatch's backward, the routed
-# AOTAutograd node's (``region_direct.Direct.backward``) or the program node's
-# (``region_program._ProgramFunction.backward``), outermost only:
+# AOTAutograd node's (``direct.Direct.backward``) or the program node's
+# (``program._ProgramFunction.backward``), outermost only:
 # - forward: the model's compiled forward with Dynamo's frame (per chunk, for a workload
 #   that takes its cotangents in chunks);
 # - torch's grad: the rest of the call less dynbatch's backward: torch.autograd.grad's own
@@ -49,7 +49,8 @@ class OutsideSplit:
         from torch._dynamo.eval_frame import OptimizedModule
         from torch._inductor.output_code import CompiledFxGraph
 
-        from dynbatch import region_direct, region_program
+        from dynbatch.region import direct
+        from dynbatch.region import program as region_program
 
         def forward(real: Callable[..., Any]) -> Callable[..., Any]:
             """The compiled model's call (an OptimizedModule's): its seconds."""
@@ -97,7 +98,7 @@ class OutsideSplit:
         # Not torch.autograd.grad: the dynbatch column's program traces it, and Dynamo would
         # compile that program again for a wrapper in its place.
         patches = [(OptimizedModule, "__call__", forward(OptimizedModule.__call__)),
-                   (region_direct.Direct, "backward", backward(region_direct.Direct.backward)),
+                   (direct.Direct, "backward", backward(direct.Direct.backward)),
                    (region_program._ProgramFunction, "backward",
                     staticmethod(backward(region_program._ProgramFunction.backward))),
                    (CompiledFxGraph, "__call__", program(CompiledFxGraph.__call__))]

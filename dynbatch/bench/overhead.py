@@ -66,7 +66,7 @@ import torch
 
 import dynbatch
 
-from dynbatch import matmul_kernels
+from dynbatch.cpu import matmul_kernels
 
 from . import cli, measure, runner, training, variants
 from .measure import fmt_us, median_us

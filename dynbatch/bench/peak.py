@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dynbatch import native_gemm
+from dynbatch.cpu import native_gemm
 
 # 12 accumulators: FMA latency (4-5 cycles) times two FMA ports, with room to spare.
 _SOURCE = r"""

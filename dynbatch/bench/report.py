@@ -467,7 +467,7 @@ def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 #
 # with, where one file holds both and the doc shows them apart, a part after the path
 # ("batched", "training", "mace", "ab", "outside" or "overhead").  A block of a .md
-# results file (`gemm --out`, scripts/one_case_per_process.py) shows that file as it is.
+# results file (`gemm --out`, bench ab_per_process) shows that file as it is.
 # `report` rewrites what lies between the markers of the files it is given (none given:
 # every file the doc names), from those files, and nothing else: the doc's tables cannot
 # drift from the results, a re-run replaces them instead of adding a dated section, and

@@ -23,7 +23,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from tqdm import tqdm
@@ -45,8 +45,9 @@ class Settings:
     cold_compile_cache: bool = True
     progress: bool = True
     threads: int | None = None  # torch intra-op threads, here and in the stock worker; None: torch's default
-    # Run the stock column on these workloads only (None: all); the others say "skipped".
-    stock_workloads: tuple[str, ...] | None = None
+    # column -> the workloads it runs on (a column not named runs on every one); its
+    # other cells say "skipped".
+    column_workloads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # Start the stock worker in the background (its import then overlaps the first timings).
     overlap_stock_start: bool = False
     atoms: tuple[int, ...] | None = None  # replaces the tier's atom counts of workloads.ATOM_WORKLOADS
@@ -56,6 +57,10 @@ class Settings:
     # The column every error is measured against (--single-call: the first to run, where
     # eager_loop does not).
     reference: str = variants.TRUTH
+
+    def runs(self, column: str, workload: str) -> bool:
+        chosen = self.column_workloads.get(column)
+        return chosen is None or workload in chosen
 
 
 def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambda results: None) -> dict[str, Any]:
@@ -75,7 +80,8 @@ def run(settings: Settings, on_problem: Callable[[dict[str, Any]], None] = lambd
         results = {"meta": _meta(settings), "problems": []}
         stock_column = (stock.StockColumn(settings.stock_timeout_s, settings.threads)
                         if "stock_compile" in settings.variants
-                        and any(w in workloads.WORKLOADS for w in settings.workloads) else None)
+                        and any(w in workloads.WORKLOADS and settings.runs("stock_compile", w)
+                                for w in settings.workloads) else None)
         bar = tqdm(total=0, unit="cell", disable=not settings.progress, dynamic_ncols=True, file=sys.stderr)
         try:
             if stock_column is not None:
@@ -126,6 +132,12 @@ def _run_problem(problem, index: int, settings: Settings, stock_column, bar, pre
     references: list[torch.Tensor | None] = [None] * len(cases)
     for variant in [v for v in variants.VARIANTS if v in settings.variants]:
         bar.set_description(f"{prefix}: {variant}")
+        if not settings.runs(variant, problem.workload):
+            chosen = ", ".join(settings.column_workloads[variant])
+            for record in cases:
+                record["variants"][variant] = {"status": f"skipped: this run times {variant} on {chosen} only"}
+            bar.update(len(cases))
+            continue
         if variant == "stock_compile":
             _run_stock(problem, index, settings, stock_column, references, out, bar, calls)
             continue
@@ -223,12 +235,6 @@ def _run_column_cases(variant, problem, settings: Settings, references, out, bar
 
 
 def _run_stock(problem, index: int, settings: Settings, stock_column, references, out, bar, calls) -> None:
-    if settings.stock_workloads is not None and problem.workload not in settings.stock_workloads:
-        for record in out["cases"]:
-            record["variants"]["stock_compile"] = {
-                "status": f"skipped: this run times stock_compile on {', '.join(settings.stock_workloads)} only"}
-        bar.update(len(out["cases"]))
-        return
     task = stock.Task(
         workload=problem.workload, index=index, tier=settings.tier,
         batch_sizes=settings.batch_sizes, device=str(settings.device), budget=settings.budget,
@@ -299,7 +305,7 @@ def available_memory(device: torch.device) -> tuple[int | None, str]:
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached, "cudaMemGetInfo free + torch's cached blocks"
-    return dynbatch.memory.available_ram(), "MemAvailable in /proc/meminfo"
+    return dynbatch.planning.memory.available_ram(), "MemAvailable in /proc/meminfo"
 
 
 def _gib(nbytes: float) -> str:
@@ -425,7 +431,7 @@ def _meta(settings: Settings) -> dict[str, Any]:
         "memory_available_at_start": available_memory(device)[0],
         "budget": dataclasses.asdict(settings.budget),
         "stock_timeout_s": settings.stock_timeout_s,
-        "stock_workloads": list(settings.stock_workloads) if settings.stock_workloads is not None else None,
+        "column_workloads": {column: list(chosen) for column, chosen in settings.column_workloads.items()},
         "cold_compile_cache": settings.cold_compile_cache,
         "timing": "interleaved" if settings.interleave else "sequential",
         "error_reference": settings.reference,

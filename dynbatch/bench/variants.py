@@ -109,7 +109,7 @@ def batched_program(problem: Problem) -> Callable:
 
 def outside_program(problem: Problem, mode: str | None = None, *, vmapped: bool = False) -> Callable:
     """The compiled-model pattern: only ``f`` is compiled; the batched grad is
-    eager code around it (dynbatch/region.py batches that backward): ``is_grads_batched``,
+    eager code around it (dynbatch/region/edge.py batches that backward): ``is_grads_batched``,
     or (``vmapped``) ``torch.vmap`` over a vjp, as MACE takes its Hessian."""
     if problem.batched_api is not None:
         raise VariantUnavailable(f"{problem.name} differentiates through an API that calls f itself")
@@ -179,10 +179,10 @@ def samples_held(variant: str, batch: int) -> int:
 
 def memory_budget(variant: str, device: torch.device) -> int | None:
     """The bytes dynbatch's plan lets a column's batched backwards hold (None: no bound)."""
-    import dynbatch.memory
+    import dynbatch.planning.memory
 
     if variant in ("dynbatch", "dynbatch_outside", "dynbatch_outside_vmap", "dynbatch_outside_cudagraphs"):
-        return dynbatch.memory.resolve_budget("auto", [torch.zeros(1, device=device)])
+        return dynbatch.planning.memory.resolve_budget("auto", [torch.zeros(1, device=device)])
     if variant == "dynbatch_budget":
         return dynbatch.options.parse_memory_budget(TIGHT_BUDGET)
     return None

@@ -7,8 +7,9 @@ function), never how a variant batches it: that is variants.py.  Inputs come
 from fixed seeds, so a subprocess that rebuilds a problem (the stock
 ``torch.compile`` column) gets the very same tensors.
 
-Tiers: ``quick`` (tiny, the CI smoke test), ``cpu`` (seconds per workload on
-2 cores), ``cuda`` (large enough to fill a GPU).
+Tiers: ``quick`` (the CI smoke test: one tiny case per workload, the sweep's three B
+excepted; ``--atoms`` or ``--batch-sizes`` bring back what they size), ``cpu`` (seconds per
+workload on 2 cores), ``cuda`` (large enough to fill a GPU).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _jax_tanh_mlp(weights: Sequence[torch.Tensor]):
 
 # --- 1. mlp_jacobian ----------------------------------------------------------
 
-_MLP = {"quick": ([16, 32], 4), "cpu": ([128, 512], 8), "cuda": ([128, 512, 1024], 256)}
+_MLP = {"quick": ([16], 4), "cpu": ([128, 512], 8), "cuda": ([128, 512, 1024], 256)}
 
 
 def mlp_jacobian(tier: str, batch_sizes, device) -> list[Problem]:
@@ -249,12 +250,14 @@ def pinn(tier: str, batch_sizes, device) -> list[Problem]:
         post=lambda g: g.diagonal(0, 0, 2).sum(-1),
         jax_f=grad_u_jax,
     )
-    return [jacobian, laplacian]
+    # The Jacobian of an MLP is mlp_jacobian's too: the quick tier keeps the Laplacian alone.
+    return [laplacian] if tier == "quick" else [jacobian, laplacian]
 
 
 # --- 5. hessian ---------------------------------------------------------------
 
-_HESS = {"quick": (32, 4, 4, [4]), "cpu": (256, 16, 16, [8, 32, 128]), "cuda": (4096, 32, 64, [8, 32, 128])}
+# The quick tier: the rows alone (--batch-sizes adds HVPs).
+_HESS = {"quick": (32, 4, 4, []), "cpu": (256, 16, 16, [8, 32, 128]), "cuda": (4096, 32, 64, [8, 32, 128])}
 
 
 def hessian(tier: str, batch_sizes, device) -> list[Problem]:
@@ -477,12 +480,13 @@ def sweep(tier: str, batch_sizes, device) -> list[Problem]:
 # is chunked.  Each case carries an estimate of that unchunked peak
 # (Case.batched_memory); the runner skips a column whose share does not fit.
 
-# Atom counts per tier: (Lennard-Jones, learned pair potential).
+# Atom counts per tier: (Lennard-Jones, learned pair potential); none: that energy is left
+# out (the quick tier: one energy runs the workload; --atoms sizes both).
 # On 2 CPU cores the eager columns take seconds per call from N = 200 (LJ) and
 # N = 128 (pair_mlp), and the eager loop minutes at N = 1000: larger N on the
 # CPU with --atoms.  On a GPU the eager loop's 3N backward passes take seconds per
 # call from N = 1000: the CUDA tier stops below, to fit one device session.
-_FULL_HESS = {"quick": ([4], [4]), "cpu": ([50, 100, 200], [32, 64, 128]),
+_FULL_HESS = {"quick": ([4], []), "cpu": ([50, 100, 200], [32, 64, 128]),
               "cuda": ([200, 500], [100, 200])}
 # Peak memory of an unchunked batched backward in 4-byte floats per sample and atom
 # pair, (eager, compiled): peak_mem_bytes / (B * N^2 * 4) measured on the CPU at
@@ -546,6 +550,8 @@ def full_hessian(tier: str, batch_sizes, device, atoms=None) -> list[Problem]:
     ]
     problems = []
     for key, what, energy, jax_energy, sizes, floats_per_pair in energies:
+        if not sizes:
+            continue
         cases = []
         for n in sizes:
             rows = 3 * n
