@@ -23,7 +23,7 @@ import torch.fx
 from . import _compat, fx_utils, records
 from .batching import grad_pass
 from .capture import grad_calls, requires_grad_tracing
-from .lowering import inductor, verify
+from .lowering import aot_cache, inductor, verify
 from .planning import chunking, memory
 from .region import edge
 from .graph_text import graph_text
@@ -108,7 +108,10 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
         return inductor.lower(chunked_gm if planner.chunked else batched_gm, inputs, opts, record, planner)
 
     try:
-        compiled = inductor.lower(batched_gm, example_inputs, opts, record, planner)
+        # AOTAutograd's cache, where asked, for graphs without a batched grad, whose record is
+        # all a hit must bring back (NOTE [What a cache hit must not lose] in lowering/aot_cache.py).
+        compiled = inductor.lower(batched_gm, example_inputs, opts, record, planner,
+                                  cache=opts.aot_cache and not (record.batched or record.chunk_program))
     except Exception as e:  # noqa: BLE001 - only a Replan is handled here
         replan = fx_utils.find_cause(e, memory.Replan)
         if replan is None:
@@ -197,3 +200,4 @@ def _eager_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
 
 
 grad_calls.install()
+aot_cache.install()

@@ -58,6 +58,11 @@ class Options:
     # 4 MiB, and from 128 KiB in a program whose first calls fault: NOTE [Programs that
     # fault]), "large" (from 4 MiB only), False.
     keep_cpu_buffers: bool | str = True
+    # Load graphs without a batched grad from AOTAutograd's cache, with the record each miss
+    # wrote beside its entry (lowering/aot_cache.py, NOTE [What a cache hit must not lose]):
+    # a warm process skips their trace.  Off by default: a grad taken outside a graph from
+    # the cache recomputes its forward where the cold graph batches its saved activations.
+    aot_cache: bool = False
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -86,7 +91,7 @@ class Options:
         if not (isinstance(keep, bool) or keep == "large"):
             raise ValueError(f"dynbatch: option {PREFIX}keep_cpu_buffers={ours['keep_cpu_buffers']!r}; "
                              f"choose one of {list(KEEP_CPU_BUFFERS)}")
-        for flag in ("record_graphs", "verify"):
+        for flag in ("record_graphs", "verify", "aot_cache"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:

@@ -4,12 +4,13 @@ sources); a ``getattr`` default only guards a later torch."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 
-__all__ = ["GRAD_NODE_META", "aot_autograd", "aot_backward_graph", "aot_config_patch",
+__all__ = ["aot_autograd_cache", "aot_serializes_backward_graphs_with", "record_cache_artifact", "register_cache_artifact", "GRAD_NODE_META", "aot_autograd", "aot_backward_graph", "aot_config_patch",
            "aot_mutated_inputs", "aot_mutates_differentiable_input",
            "aot_records_no_donated_buffers", "aot_saved_for_backward", "current_grad_node_name",
            "make_boxed_func"]
@@ -61,7 +62,7 @@ def aot_mutates_differentiable_input() -> bool:
 def aot_backward_graph(forward_cls: type) -> Any:
     """The aten backward graph of an AOTAutograd ``CompiledFunction`` class, as traced: kept for
     its lazy compile (``_lazy_backward_info.bw_module``), compiled or not; None where not kept
-    (a cached graph)."""
+    (a graph from AOTAutograd's cache keeps it serialized, without the sizes of its trace)."""
     graph = getattr(getattr(forward_cls, "_lazy_backward_info", None), "bw_module", None)
     return graph if isinstance(graph, torch.fx.GraphModule) else None
 
@@ -89,3 +90,52 @@ def current_grad_node_name() -> str | None:
     ``torch.fx.traceback``'s meta functions, public names, alike on 2.11-2.14)."""
     meta = torch.fx.traceback.get_current_meta() if torch.fx.traceback.has_preserved_node_meta() else None
     return (meta or {}).get(GRAD_NODE_META)
+
+
+def aot_autograd_cache() -> type:
+    """AOTAutograd's cache class, whose static ``_lookup(key, ...)`` finds an entry by its key
+    (private; ``key`` first on 2.11-2.14)."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    return AOTAutogradCache
+
+
+def record_cache_artifact(artifact_type: str, key: str, content: bytes) -> None:
+    """Put an artifact in what ``torch.compiler.save_cache_artifacts()`` saves (private manager
+    behind the public mega-cache API; same on 2.11-2.14)."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    CacheArtifactManager.record_artifact(artifact_type, key, content)
+
+
+def register_cache_artifact(artifact_type: str, populate: Callable[[str, bytes], None]) -> None:
+    """Teach ``torch.compiler.load_cache_artifacts()`` an artifact type: ``populate(key, content)``
+    writes one where its cache reads it (private factory; same on 2.11-2.14).  Idempotent."""
+    from torch.compiler._cache import CacheArtifact, CacheArtifactFactory
+
+    if artifact_type in CacheArtifactFactory._artifact_types:
+        return
+
+    class Artifact(CacheArtifact):
+        def populate_cache(self) -> None:
+            populate(self.key, self.content)
+
+        @staticmethod
+        def type() -> str:
+            return artifact_type
+
+    Artifact.__name__ = Artifact.__qualname__ = f"{artifact_type}_artifact"
+    CacheArtifactFactory.register(dataclasses.dataclass(frozen=True)(Artifact))
+
+
+def aot_serializes_backward_graphs_with(wrap: Callable[[Callable], Callable]) -> None:
+    """Wrap the function AOTAutograd's cache serializes a lazy backward graph with
+    (``graph_compile.serialize_graph_module``, which clears its node meta in place;
+    private, imported by name into graph_compile on 2.11-2.14).  Idempotent."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    original = graph_compile.serialize_graph_module
+    if getattr(original, "_dynbatch_original", None) is None:
+        wrapped = wrap(original)
+        wrapped._dynbatch_original = original
+        graph_compile.serialize_graph_module = wrapped

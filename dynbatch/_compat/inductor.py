@@ -13,7 +13,7 @@ import torch
 from .functorch import outside_legacy_vmap
 
 
-__all__ = ["compile_fx", "compile_fx_inner", "custom_graph_pass_base", "inductor_cache_dir",
+__all__ = ["compile_fx", "inductor_compiled_graph_class", "compile_fx_inner", "custom_graph_pass_base", "inductor_cache_dir",
            "inductor_config_patches", "inductor_config_value", "inductor_empty_strided_cpu",
            "inductor_fallback", "inductor_inline_limits", "inductor_lowerings",
            "inductor_patterns_registered", "inductor_stride_at_module", "inductor_sympy_subs",
@@ -182,3 +182,11 @@ def inductor_patterns_registered(device: torch.device | None) -> None:
     with outside_legacy_vmap(), temporarily_clear_interpreter_stack():
         joint_graph.lazy_init(device)
         post_grad.lazy_init()
+
+
+def inductor_compiled_graph_class() -> type:
+    """Inductor's compiled graph (``output_code.CompiledFxGraph``), whose ``post_compile`` runs
+    on every program Inductor hands out, compiled or loaded from a cache (private; 2.11-2.14)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    return CompiledFxGraph

@@ -24,7 +24,7 @@ from .. import _compat, fail_soft, fx_utils, records
 from ..cpu import kept_buffers, matmul_kernels
 from ..batching import markers
 from ..planning import memory
-from . import aten_passes
+from . import aot_cache, aten_passes
 from ..graph_text import count_nodes, graph_text
 from ..options import Options
 from ..records import CompileRecord
@@ -38,23 +38,23 @@ def lower(
     options: Options,
     record: CompileRecord,
     planner: memory.Planner | None = None,
+    cache: bool = False,
 ) -> Callable[..., Any]:
-    """Raises memory.Replan when the plan wants grads chunked (the backend rewrites and lowers again)."""
+    """Raises memory.Replan when the plan wants grads chunked (the backend rewrites and lowers again).
+    ``cache``: the graph may come from AOTAutograd's cache (NOTE [What a cache hit must not lose])."""
     # A backward taken from outside may run the compiled backward with
     # retain_graph=True (region/edge.py), which donated buffers forbid (and _remember
-    # records that there are none, _compat.aot_records_no_donated_buffers).  AOTAutograd's
-    # cache would skip the trace, and with it what the inner compiler records of
-    # each graph (_remember: random ops, inputs written in place, the memory plan),
-    # which decides how a grad from outside is computed: a graph from it must not
-    # lose that (Inductor's own cache of the compiled kernels still applies).
+    # records that there are none, _compat.aot_records_no_donated_buffers).
     # Torch's deprecation warnings about its own internals are not the user's to see.
     planner = planner or memory.Planner(None, None)
     fx_utils.forget_cleared_sources(gm)
-    with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=False),
+    cache = cache and options.inner_compiler == "inductor" and aot_cache.available()
+    with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=cache),
           torch_internal_deprecations_hidden(),
+          aot_cache.lowering(record, _buffers_kept(options)) if cache else contextlib.nullcontext(),
           markers.collecting() if planner.active else contextlib.nullcontext()):
         if options.inner_compiler == "inductor":
-            return _lower_with_inductor(gm, example_inputs, options, record, planner)
+            return _lower_with_inductor(gm, example_inputs, options, record, planner, cache)
         return _lower_with_aot_eager(gm, example_inputs, options, record, planner)
 
 
@@ -195,12 +195,26 @@ def _remember(gm: torch.fx.GraphModule, record: CompileRecord, title: str, keep_
     _compat.aot_records_no_donated_buffers()
 
 
+def _buffers_kept(options: Options) -> Callable[[Any], None] | None:
+    """What each compiled or loaded program gets where large CPU buffers are kept."""
+    if not options.keep_cpu_buffers:
+        return None
+
+    def keep(compiled: Any) -> None:
+        try:  # NOTE [Reused CPU buffers] in cpu/kept_buffers.py
+            kept_buffers.install(compiled, adapt=options.keep_cpu_buffers is True)
+        except Exception as e:  # noqa: BLE001 - the generated code moved: it allocates as before
+            fail_soft.hook_failed("keeping a compiled program's large CPU buffers", e)
+
+    return keep
+
+
 def random_ops(gm: torch.fx.GraphModule) -> list[str]:
     """Ops that draw random numbers: a re-run of the graph would draw others."""
     return [str(n.target) for n in gm.graph.nodes if fx_utils.draws_random_numbers(n)]
 
 
-def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord, planner):
+def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord, planner, cache=False):
     inner = _compat.compile_fx_inner()
 
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
@@ -223,11 +237,9 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
                 fail_soft.soft("Inductor's vector index ranges without sympy's full simplify",
                                inductor_vec_range_without_full_simplify):
             compiled = inner(aten_gm, aten_inputs, **kwargs)
-        if options.keep_cpu_buffers:
-            try:  # NOTE [Reused CPU buffers] in cpu/kept_buffers.py
-                kept_buffers.install(compiled, adapt=options.keep_cpu_buffers is True)
-            except Exception as e:  # noqa: BLE001 - the generated code moved: it allocates as before
-                fail_soft.hook_failed("keeping a compiled program's large CPU buffers", e)
+        keep = _buffers_kept(options)
+        if keep is not None:
+            keep(compiled)
         return compiled
 
     inductor_patterns_registered_outside_transforms(example_inputs)
@@ -249,6 +261,12 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     # (NOTE [Copies Inductor inlines]): patched here, so the raise ends with this compile.
     for name in ("realize_opcount_threshold", "realize_acc_reads_threshold"):
         config_patches.setdefault(name, _compat.inductor_config_value(name))
+    if cache:
+        # Forces inside a graph are a torch.autograd.grad node, which AOTAutograd's cache
+        # does not know to be safe: it is torch's own, so torch's version keys it.
+        marked = config_patches.get("unsafe_marked_cacheable_functions",
+                                    _compat.inductor_config_value("unsafe_marked_cacheable_functions"))
+        config_patches["unsafe_marked_cacheable_functions"] = {**marked, "torch.autograd.grad": torch.__version__}
     return _compat.compile_fx(
         gm,
         example_inputs,
