@@ -24,7 +24,8 @@ Modules, one concern each:
   ``ab_per_process`` (ab_per_process.py: one case at two settings, each in a fresh
   process), ``outside_floor`` (outside_floor.py: a grad outside a compiled model beside
   torch's own costs), ``hessian_rows`` (hessian_rows.py: the hessian rows through one
-  column alone) and ``mace_compile`` (mace_compile.py: MACE's compile time).
+  column alone), ``mace_compile`` (mace_compile.py: MACE's compile time) and
+  ``first_call`` (first_call.py: a training step's first call, cold and warm, by phase).
 """
 
 from .variants import REFERENCE, VARIANTS

@@ -30,7 +30,8 @@ COMMANDS = {"overhead": "per-call overhead of the columns: where a small call's 
             "ab_per_process": "A/B of a dynbatch option on one case at a time, each setting alone in a fresh process",
             "outside_floor": "a batched grad outside a compiled model per call, beside what torch itself costs",
             "hessian_rows": "the hessian rows through one column alone, compiled static, dynamic or hinted",
-            "mace_compile": "first and second call of one of MACE's calls through dynbatch, and gcc's seconds"}
+            "mace_compile": "first and second call of one of MACE's calls through dynbatch, and gcc's seconds",
+            "first_call": "a force-training step's first call per column, cold and on a warm cache, by phase"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

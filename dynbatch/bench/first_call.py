@@ -1,0 +1,118 @@
+"""``python -m dynbatch.bench first_call``: a force-training step's first call, cold and warm.
+
+Each column builds and runs one training step (the force_training workload's model, its
+first case) in a fresh process: ``cold`` with an empty Inductor cache directory, then
+``warm`` in a second process on the cache the first one filled, as a restarted job or
+the next MD run meets it.  The seconds cover ``torch.compile`` and the first step
+(stock's ``torch.compile`` imports Inductor; dynbatch's imports it at the first call),
+split by phase from torch's compile timers (NOTE [Where a first call goes] in
+dynbatch/records.py); the ratio is to the stock column of the same start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from .. import records
+from . import training
+from .cli import pin_to_cores
+
+# A column with "+aot_cache" runs with options={"dynbatch.aot_cache": True}.
+COLUMNS = ("stock_traced", "dynbatch_model_in", "dynbatch_model_in+aot_cache", "dynbatch_step",
+           "dynbatch_step+aot_cache")
+STOCK = "stock_traced"  # stock as MACE's users set it up: the strongest peer
+
+
+def _child(column: str, kind: str, atoms: int) -> dict[str, Any]:
+    """One first call in this process, with its phases."""
+    import dynbatch
+
+    (problem,) = [p for p in training.force_training("cpu", torch.device("cpu"), [atoms]) if p.kind == kind]
+    case = problem.cases[0]
+    span_record = records.CompileRecord()
+    start = time.perf_counter()
+    with records.compile_span(frame=True, record=span_record):
+        base, _, extra = column.partition("+")
+        options = {"dynbatch.aot_cache": True} if extra == "aot_cache" else None
+        runner = training.build(base, problem, torch.device("cpu"), options=options, name=column)
+        runner.call(*runner.prepare(case))
+    seconds = time.perf_counter() - start
+    # dynbatch's graphs keep their own spans' seconds (nested in this one): add them back.
+    # Cache lookups count in every open span: this one has them all.
+    phases = dict(span_record.seconds)
+    for r in dynbatch.compile_records():
+        for k, v in r.seconds.items():
+            phases[k] = phases.get(k, 0.0) + v
+    return {"column": column, "seconds": seconds, "phases": phases, "caches": span_record.caches,
+            "dynbatch_graphs": dynbatch.counters().get("graphs", 0)}
+
+
+def _run(column: str, kind: str, atoms: int, cache: str, threads: int) -> dict[str, Any]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-m", "dynbatch.bench.first_call", "--child", column, kind, str(atoms)],
+                         env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        return {"column": column, "error": (out.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1])
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = ["model", "column", "start", "seconds", f"/ {STOCK}", *records.PHASES, "caches"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    stock = {(r["model"], r["start"]): r.get("seconds") for r in rows if r["column"] == STOCK}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['column']} | {r['start']} | failed: {r['error']} |")
+            continue
+        ratio = r["seconds"] / stock[(r["model"], r["start"])] if stock.get((r["model"], r["start"])) else None
+        caches = ", ".join(f"{k} {v}" for k, v in sorted(r["caches"].items()) if v)
+        lines.append("| " + " | ".join([r["model"], r["column"], r["start"], f"{r['seconds']:.1f}",
+                                        f"{ratio:.2f}" if ratio else "-",
+                                        *(f"{r['phases'].get(p, 0):.1f}" for p in records.PHASES), caches]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dynbatch-bench first_call", description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=3, metavar=("COLUMN", "KIND", "ATOMS"), help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="pair:16,message_passing:16",
+                        help="comma list of KIND:ATOMS (pair, message_passing), default %(default)s")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list, default %(default)s")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads and cores per process")
+    parser.add_argument("--out", help="write the table (markdown) here too")
+    args = parser.parse_args(argv)
+    if args.child:
+        column, kind, atoms = args.child
+        print(json.dumps(_child(column, kind, int(atoms))))
+        return 0
+    pin_to_cores(args.threads)
+    rows = []
+    for model in args.models.split(","):
+        kind, atoms = model.split(":")
+        for column in args.columns.split(","):
+            with tempfile.TemporaryDirectory(prefix="dynbatch-first-call-") as cache:
+                for start in ("cold", "warm"):
+                    row = {"model": f"{kind} N={atoms}", "start": start, **_run(column, kind, int(atoms), cache,
+                                                                                 args.threads)}
+                    rows.append(row)
+                    print(f"{row['model']} {column} {start}: {row.get('seconds', row.get('error'))}", flush=True)
+    table = _table(rows)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
