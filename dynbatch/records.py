@@ -197,9 +197,12 @@ def _phases(seconds: float, spent: dict[str, float], frame: bool) -> dict[str, f
     # as AOTAutograd's: no second, so the phases sum to the span's seconds.
     cpp = min(spent.get("cpp_compile", 0.0), max(inner - own_inside, 0.0))
     backend = spent.get("backend", 0.0) if frame else seconds
+    # A frame's span may also hold Inductor's compile of a backward at its first call,
+    # after the backend returned: that much of Inductor's time is not the backend's.
+    inner_in = min(inner, backend)
     return {
-        "dynamo": max(seconds - backend, 0.0),
-        "aot_autograd": max(backend - inner - (own - own_inside), 0.0),
+        "dynamo": max(seconds - backend - (inner - inner_in), 0.0),
+        "aot_autograd": max(backend - inner_in - (own - own_inside), 0.0),
         "dynbatch": own,
         "inductor": max(inner - cpp - own_inside, 0.0),
         "cpp_compile": cpp,
