@@ -188,3 +188,51 @@ def test_fullgraph_refuses_a_backward_through_another_frame():
 
     with pytest.raises(torch._dynamo.exc.Unsupported, match="another frame's graph"):
         compile_dynbatch(step, fullgraph=True)(h)
+
+
+def _force_step_that_sets_requires_grad(model: Model, brk, place: str):
+    """A force step as force fields write it: the positions come in without
+    requires_grad and the step calls ``pos.requires_grad_()`` itself, right before
+    the break when ``place`` is "before_model" (or the model breaks first thing)."""
+    def step(pos):
+        pos.requires_grad_()
+        if place == "before_model":
+            brk(pos)
+        energy = model(pos)
+        if place == "before_grad":
+            brk(energy)
+        f = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+        loss = energy ** 2 + (f ** 2).sum()
+        if place == "before_backward":
+            brk(loss)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("brk", ["graph_break", "item"])
+@pytest.mark.parametrize("place", ["before_model", "inside_model", "before_grad", "before_backward"])
+def test_requires_grad_set_in_the_step_survives_a_break(brk, place):
+    """``pos.requires_grad_()`` followed by a break leaves a graph with no op, which
+    Dynamo hands no backend: the traced requires_grad_() was lost and the force grad
+    after the break raised "does not require grad" where eager works."""
+    torch.manual_seed(0)
+    eager_model = Model(BREAKS[brk] if place == "inside_model" else None).double()
+    model = copy.deepcopy(eager_model)
+    pos = torch.randn(5, 3, dtype=torch.float64)
+    expected = _force_step_that_sets_requires_grad(eager_model, BREAKS[brk], place)(eager_pos := pos.clone())
+    compiled = compile_dynbatch(_force_step_that_sets_requires_grad(model, BREAKS[brk], place), fullgraph=False)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        got_pos = pos.clone()
+        loss = compiled(got_pos)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    assert got_pos.requires_grad
+    torch.testing.assert_close(got_pos.grad, eager_pos.grad, rtol=1e-9, atol=1e-12)
+    for got, want in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-12)
+    c = dynbatch.counters()
+    assert c.get("graphs", 0) >= 1 and c.get("fallbacks", 0) == 0, c
+    assert graph_breaks() > 0

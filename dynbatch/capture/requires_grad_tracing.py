@@ -95,11 +95,13 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
     eager does by then; Dynamo's guards keep what they saw (the input does not
     require grad), so the next fresh input hits the same graph.  The attribute
     form becomes the method (they differ only in the method's return value)."""
+    from torch._dynamo.output_graph import OutputGraph
     from torch._dynamo.symbolic_convert import InstructionTranslatorBase
     from torch._dynamo.variables.tensor import TensorVariable
 
     original_method = TensorVariable.method_requires_grad_
     original_store = InstructionTranslatorBase.STORE_ATTR
+    original_compile_subgraph = OutputGraph.compile_subgraph
 
     def method_requires_grad_(self, tx, requires_grad=True):
         wanted = requires_grad if requires_grad is True else requires_grad.as_python_constant()
@@ -125,6 +127,18 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
         self.requires_grad = True
         return self
 
+    def compile_subgraph(self, *args, **kwargs):
+        # A graph with no op is never handed to a backend (OutputGraph skips it), so
+        # no one would set the marked input's requires_grad: ``pos.requires_grad_()``
+        # right before a graph break was lost and the grad after it raised.  Trace
+        # the frame again with the call a graph break, as stock does.
+        if (not any("call" in n.op for n in self.graph.nodes)
+                and any(n.meta.get(REQUIRES_GRAD_AT_CALL) for n in self.graph.find_nodes(op="placeholder"))):
+            _INPUT_REQUIRES_GRAD_REFUSED.add(self.root_tx.f_code)
+            raise torch._dynamo.exc.RestartAnalysis(
+                restart_reason="dynbatch: requires_grad_() of a graph input in a graph with no op")
+        return original_compile_subgraph(self, *args, **kwargs)
+
     def STORE_ATTR(self, inst):  # noqa: N802 - Dynamo's opcode handler name
         if inst.argval == "requires_grad" and len(self.stack) >= 2:
             obj, val = (v.realize() if hasattr(v, "realize") else v for v in (self.stack[-1], self.stack[-2]))
@@ -140,6 +154,7 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
     methods = getattr(TensorVariable, "tp_methods", {})
     original_entry = methods.get("requires_grad_")
     TensorVariable.method_requires_grad_ = method_requires_grad_
+    OutputGraph.compile_subgraph = compile_subgraph
     if original_entry is not None:
         methods["requires_grad_"] = dataclasses.replace(original_entry, handler=method_requires_grad_)
     for table in tables:
@@ -148,6 +163,7 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
         yield
     finally:
         TensorVariable.method_requires_grad_ = original_method
+        OutputGraph.compile_subgraph = original_compile_subgraph
         if original_entry is not None:
             methods["requires_grad_"] = original_entry
         for table in tables:
