@@ -27,11 +27,12 @@ from .batching.grad_pass import BatchingResult, batch_grads
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
+from .sparsity.compressed import hessian, jacobian
 
 __all__ = [
     "BatchingResult", "CompileRecord", "Options", "UnsupportedGraph", "batch_grads",
     "batched_grad", "compile_records", "counters", "dynbatch_backend", "fallback_reasons",
-    "graph_text", "register", "reset",
+    "graph_text", "hessian", "jacobian", "register", "reset",
 ]
 __version__ = "0.1.0"
 

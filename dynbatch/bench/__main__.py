@@ -31,7 +31,8 @@ COMMANDS = {"overhead": "per-call overhead of the columns: where a small call's 
             "outside_floor": "a batched grad outside a compiled model per call, beside what torch itself costs",
             "hessian_rows": "the hessian rows through one column alone, compiled static, dynamic or hinted",
             "mace_compile": "first and second call of one of MACE's calls through dynbatch, and gcc's seconds",
-            "first_call": "a force-training step's first call per column, cold and on a warm cache, by phase"}
+            "first_call": "a force-training step's first call per column, cold and on a warm cache, by phase",
+            "sparse_hessian": "a Lennard-Jones Hessian dense, compressed by colours (dense or CSR), and by JAX/asdex"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
