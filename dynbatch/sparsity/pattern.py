@@ -350,7 +350,7 @@ class _Propagation(torch.fx.Interpreter):
         return Pattern.union(parts) if parts else None
 
     def _index_add(self, n, args, value) -> Pattern | None:
-        dim, index, src = args[1], args[2], args[3]
+        dim, index = args[1], args[2]
         ps = self._pattern_of(n.args[3])
         parts = []
         if ps is not None:
