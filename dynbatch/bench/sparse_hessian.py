@@ -71,13 +71,8 @@ def _jax_column(column: str, pos, i, j):
         return lambda: fn(jpos).block_until_ready()
     import asdex
 
-    fn = asdex.hessian(energy, jpos)
-
-    def call():
-        out = fn(jpos)
-        return jax.block_until_ready(out)
-
-    return call
+    fn = jax.jit(asdex.hessian(energy, jpos))  # as asdex's docs ask: unjitted, each call re-traces
+    return lambda: jax.block_until_ready(fn(jpos))
 
 
 def _child(column: str, atoms: int, repeats: int) -> dict[str, Any]:
