@@ -65,25 +65,31 @@ _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hessian(f: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, layout: torch.layout = torch.strided,
-            sparse: bool | str = "auto", options: dict[str, Any] | None = None) -> torch.Tensor:
+            sparse: bool | str = "auto", process_group: Any = None,
+            options: dict[str, Any] | None = None) -> torch.Tensor:
     """The Hessian of the scalar ``f(x, *args)`` w.r.t. ``x``: as
     ``torch.autograd.functional.hessian(lambda x: f(x, *args), x)`` (shape ``x.shape * 2``)
     for ``layout=torch.strided``, or an ``[x.numel(), x.numel()]`` CSR tensor for
     ``layout=torch.sparse_csr``.  ``sparse``: "auto" compresses where the colours are
-    fewer than half the rows, True always, False never (dense rows, B = x.numel())."""
-    return _derivative("hessian", f, x, args, layout, sparse, options)
+    fewer than half the rows, True always, False never (dense rows, B = x.numel()).
+    ``process_group`` (a ``torch.distributed`` group, or True for the default one): each
+    rank computes its share of the products, every rank gets the whole result."""
+    return _derivative("hessian", f, x, args, layout, sparse, options, process_group)
 
 
 def jacobian(f: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, layout: torch.layout = torch.strided,
-             sparse: bool | str = "auto", options: dict[str, Any] | None = None) -> torch.Tensor:
+             sparse: bool | str = "auto", process_group: Any = None,
+             options: dict[str, Any] | None = None) -> torch.Tensor:
     """The Jacobian of ``f(x, *args)`` w.r.t. ``x``: as ``torch.autograd.functional.jacobian``
-    (shape ``out.shape + x.shape``), or ``[out.numel(), x.numel()]`` CSR; ``sparse`` as for hessian."""
-    return _derivative("jacobian", f, x, args, layout, sparse, options)
+    (shape ``out.shape + x.shape``), or ``[out.numel(), x.numel()]`` CSR; ``sparse`` and
+    ``process_group`` as for hessian."""
+    return _derivative("jacobian", f, x, args, layout, sparse, options, process_group)
 
 
-def _derivative(kind, f, x, args, layout, sparse, options) -> torch.Tensor:
+def _derivative(kind, f, x, args, layout, sparse, options, process_group=None) -> torch.Tensor:
     if layout not in (torch.strided, torch.sparse_csr):
         raise ValueError(f"layout must be torch.strided or torch.sparse_csr, not {layout}")
+    group = _group(process_group)
     x = x.detach()
     plan = _plan(kind, f, x, args) if sparse is not False else None
     if plan is not None and sparse == "auto" and plan.colours * MARGIN > plan.n_cols:
@@ -94,18 +100,14 @@ def _derivative(kind, f, x, args, layout, sparse, options) -> torch.Tensor:
     if plan is None:
         STATS.counters["grads_dense_rows"] += 1
         out_numel, eye = _dense_rows(kind, f, x, args)
-        _compat.mark_batch_dynamic(eye)  # B symbolic from the first compile: a colour count is a B
-        products = products_of(x, eye, *args)  # [rows, n] (Jacobian: [m, n]; Hessian: [n, n])
-        dense = products.reshape(eye.shape[0], x.numel())
+        dense = _products(products_of, x, eye, args, group)  # [rows, n] (Jacobian: [m, n]; Hessian: [n, n])
         if layout == torch.sparse_csr:
             return dense.to_sparse_csr()
         return dense.reshape(*_out_shape(kind, f, x, args, out_numel), *x.shape)
     STATS.counters["grads_compressed"] += 1
     STATS.counters["colours"] += plan.colours
     STATS.counters["rows"] += plan.n_rows
-    seeds = _seeds(kind, plan, x, f, args)
-    _compat.mark_batch_dynamic(seeds)
-    products = products_of(x, seeds, *args).reshape(plan.colours, -1)
+    products = _products(products_of, x, _seeds(kind, plan, x, f, args), args, group)
     values = products[plan.read_colour, plan.read_row]
     if layout == torch.sparse_csr:
         return torch.sparse_csr_tensor(plan.crow, plan.cols, values, (plan.n_rows, plan.n_cols), check_invariants=False)
@@ -115,6 +117,36 @@ def _derivative(kind, f, x, args, layout, sparse, options) -> torch.Tensor:
 
 
 # --- the products: dynbatch's compiled batched grads -------------------------------------
+
+def _group(process_group: Any) -> Any:
+    if process_group is None or process_group is False:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group given, but torch.distributed is not initialised")
+    return dist.group.WORLD if process_group is True else process_group
+
+
+def _products(products_of, x, seeds, args, group) -> torch.Tensor:
+    """One row per seed: the batched grad of them all, or, across a process group, of
+    this rank's share (seeds r, r + W, ...), the ranks' shares summed into every rank."""
+    if group is None:
+        _compat.mark_batch_dynamic(seeds)  # B symbolic from the first compile: a colour count is a B
+        return products_of(x, seeds, *args).reshape(seeds.shape[0], -1)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.arange(rank, seeds.shape[0], world, device=seeds.device)
+    full = x.new_zeros(seeds.shape[0], x.numel())
+    if mine.numel():
+        part = seeds[mine]
+        _compat.mark_batch_dynamic(part)
+        full[mine] = products_of(x, part, *args).reshape(mine.numel(), -1)
+    STATS.counters["products_here"] += mine.numel()
+    dist.all_reduce(full, group=group)
+    return full
+
 
 def _programs(f, options) -> dict[str, Callable]:
     key = tuple(sorted((options or {}).items()))
