@@ -1,4 +1,9 @@
-"""``python -m dynbatch.bench sparse_hessian``: a Lennard-Jones Hessian by each column.
+"""``python -m dynbatch.bench sparse_hessian``: a structured Hessian or Jacobian by each column.
+
+Problems (``--problem``): ``lennard_jones`` (the Hessian over a neighbour list, N atoms),
+``message_passing`` (the Hessian of two index_add interactions in a periodic box, N
+atoms) and ``poisson`` (the Jacobian of a nonlinear 2-D Poisson residual, a side x side
+grid; ``--sizes`` are then grid sides).
 
 Columns: ``eager`` (``functional.hessian(vectorize=True)``), ``dynbatch_dense``
 (``dynbatch.hessian(sparse=False)``: a batched grad of B = 3N rows), ``dynbatch_sparse``
@@ -7,7 +12,8 @@ Columns: ``eager`` (``functional.hessian(vectorize=True)``), ``dynbatch_dense``
 size runs in a fresh process with an empty Inductor cache (its first call is a cold
 compile), one thread pinned to one core; it reports the first call, the median of the
 steady calls, the colours, the largest difference from the dense dynbatch result of
-the same size, and the peak memory growth of one steady call (the process's RSS high-water mark).
+the same size, and the peak memory growth over the steady calls (the RSS high-water mark,
+reset first), the result they return included.
 
     python -m dynbatch.bench sparse_hessian --sizes 500,2000 --columns dynbatch_dense,dynbatch_sparse,asdex
 """
@@ -30,34 +36,70 @@ from . import sparse_problems
 from .cli import pin_to_cores
 
 COLUMNS = ("eager", "dynbatch_dense", "dynbatch_sparse", "dynbatch_csr", "jax", "asdex")
-# Dense columns past this size would hold a 3N x 3N Hessian per row batch: skipped.
-DENSE_LIMIT = {"eager": 500, "jax": 500}
+# Dense columns past these sizes take minutes or a dense result that does not fit: skipped.
+DENSE_LIMIT = {"lennard_jones": {"eager": 500, "jax": 500}, "message_passing": {"eager": 500},
+               "poisson": {"eager": 100, "dynbatch_dense": 100}}
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
+    except (OSError, StopIteration):
+        return None
 
 
-def _torch_column(column: str, pos, i, j):
+def _peak_reset() -> float:
+    """Reset the RSS high-water mark (Linux: clear_refs 5) and return the RSS now, MiB;
+    elsewhere the process's peak so far, which only an earlier call can have set higher."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_mib("VmRSS")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _peak_mib() -> float:
+    return _status_mib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+PROBLEMS = ("lennard_jones", "message_passing", "poisson")
+
+
+def _problem(name: str, size: int):
+    """(kind, function, x, args) of one problem at one size."""
+    if name == "lennard_jones":
+        pos, (i, j) = sparse_problems.lennard_jones_problem(size)
+        return "hessian", sparse_problems.lennard_jones, pos, (i, j)
+    if name == "message_passing":
+        model, pos, pairs = sparse_problems.message_passing_problem(size)
+        return "hessian", model, pos, pairs
+    u, source = sparse_problems.poisson_problem(size)
+    return "jacobian", sparse_problems.poisson_residual, u, (source,)
+
+
+def _torch_column(column: str, kind, f, x, args):
     import dynbatch
 
     if column == "eager":
-        return lambda: torch.autograd.functional.hessian(lambda t: sparse_problems.lennard_jones(t, i, j), pos,
-                                                         vectorize=True).reshape(pos.numel(), -1)
+        derivative = getattr(torch.autograd.functional, kind)
+        return lambda: derivative(lambda t: f(t, *args), x, vectorize=True).reshape(-1, x.numel())
     layout = torch.sparse_csr if column == "dynbatch_csr" else torch.strided
     sparse = column != "dynbatch_dense"
 
     def call():
-        h = dynbatch.hessian(sparse_problems.lennard_jones, pos, i, j, sparse=sparse, layout=layout)
-        return h if layout == torch.sparse_csr else h.reshape(pos.numel(), -1)
+        out = getattr(dynbatch, kind)(f, x, *args, sparse=sparse, layout=layout)
+        return out if layout == torch.sparse_csr else out.reshape(-1, x.numel())
 
     return call
 
 
-def _jax_column(column: str, pos, i, j):
+def _jax_column(column: str, kind, f, pos, args):
     import jax
     import jax.numpy as jnp
 
+    i, j = args
     jax.config.update("jax_enable_x64", True)
     jpos, ji, jj = (jnp.asarray(t.numpy()) for t in (pos, i, j))
 
@@ -75,22 +117,28 @@ def _jax_column(column: str, pos, i, j):
     return lambda: jax.block_until_ready(fn(jpos))
 
 
-def _child(column: str, atoms: int, repeats: int) -> dict[str, Any]:
+def _child(problem: str, column: str, atoms: int, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    pos, (i, j) = sparse_problems.lennard_jones_problem(atoms)
+    kind, f, x, args = _problem(problem, atoms)
+    if column in ("jax", "asdex") and problem != "lennard_jones":
+        raise SystemExit(f"the {column} column has the Lennard-Jones problem only")
     make = _jax_column if column in ("jax", "asdex") else _torch_column
     start = time.perf_counter()
-    call = make(column, pos, i, j)
+    call = make(column, kind, f, x, args)
     result = call()
     first = time.perf_counter() - start
     steady = []
-    rss_before = _maxrss_mib()
+    del result
+    rss_before = _peak_reset()
     for _ in range(repeats):
         start = time.perf_counter()
-        call()
+        result = call()
         steady.append(time.perf_counter() - start)
-    row = {"column": column, "atoms": atoms, "pairs": int(i.numel()), "first_s": first,
-           "steady_s": sorted(steady)[len(steady) // 2], "peak_growth_mib": _maxrss_mib() - rss_before}
+        if _ != repeats - 1:
+            del result
+    row = {"problem": problem, "column": column, "atoms": atoms,
+           "pairs": int(args[0].numel()) if kind == "hessian" else x.numel(), "first_s": first,
+           "steady_s": sorted(steady)[len(steady) // 2], "peak_growth_mib": _peak_mib() - rss_before}
     if column.startswith("dynbatch"):
         import dynbatch
 
@@ -99,17 +147,17 @@ def _child(column: str, atoms: int, repeats: int) -> dict[str, Any]:
     if column in ("dynbatch_sparse", "dynbatch_csr", "eager"):
         import dynbatch
 
-        dense = dynbatch.hessian(sparse_problems.lennard_jones, pos, i, j, sparse=False).reshape(pos.numel(), -1)
+        dense = getattr(dynbatch, kind)(f, x, *args, sparse=False).reshape(-1, x.numel())
         got = result.to_dense() if column == "dynbatch_csr" else result
         row["max_diff_from_dense"] = float((got - dense).abs().max())
     return row
 
 
-def _run(column: str, atoms: int, repeats: int, threads: int) -> dict[str, Any]:
+def _run(problem: str, column: str, atoms: int, repeats: int, threads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dynbatch-sparse-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads)}
-        out = subprocess.run([sys.executable, "-m", "dynbatch.bench.sparse_hessian", "--child", column, str(atoms),
-                              str(repeats)], env=env, capture_output=True, text=True, check=False)
+        out = subprocess.run([sys.executable, "-m", "dynbatch.bench.sparse_hessian", "--child", problem, column,
+                              str(atoms), str(repeats)], env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
         return {"column": column, "atoms": atoms, "error": (out.stderr.strip().splitlines() or ["no output"])[-1]}
@@ -117,7 +165,7 @@ def _run(column: str, atoms: int, repeats: int, threads: int) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["N atoms (pairs)", "column", "first call s", "steady s", "/ dynbatch_dense", "colours",
+    head = ["size (pairs or unknowns)", "column", "first call s", "steady s", "/ dynbatch_dense", "colours",
             "peak growth MiB", "max diff from dense"]
     dense = {r["atoms"]: r.get("steady_s") for r in rows if r["column"] == "dynbatch_dense"}
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -137,30 +185,62 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dynbatch-bench sparse_hessian", description=__doc__.splitlines()[0])
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--sizes", default="500,2000", help="comma list of atom counts, default %(default)s")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--problem", choices=PROBLEMS, default="lennard_jones")
+    parser.add_argument("--sizes", default="500,2000", help="comma list of atom counts (grid sides for poisson), "
+                                                             "default %(default)s")
     parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list, default %(default)s")
     parser.add_argument("--repeats", type=int, default=5, help="steady calls per column")
     parser.add_argument("--threads", type=int, default=1, help="threads and cores per process")
     parser.add_argument("--out", help="write the table (markdown) here too")
+    parser.add_argument("--plot", help="draw steady time and peak memory growth against size into this PNG")
     args = parser.parse_args(argv)
     if args.child:
-        column, atoms, repeats = args.child
-        print(json.dumps(_child(column, int(atoms), int(repeats))))
+        problem, column, atoms, repeats = args.child
+        print(json.dumps(_child(problem, column, int(atoms), int(repeats))))
         return 0
     pin_to_cores(args.threads)
     rows = []
     for atoms in (int(s) for s in args.sizes.split(",")):
         for column in args.columns.split(","):
-            if atoms > DENSE_LIMIT.get(column, atoms):
+            if atoms > DENSE_LIMIT[args.problem].get(column, atoms):
                 continue
-            rows.append(_run(column, atoms, args.repeats, args.threads))
+            rows.append(_run(args.problem, column, atoms, args.repeats, args.threads))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:
             f.write(table(rows) + "\n")
+    if args.plot:
+        plot(rows, args.plot, args.problem)
     return 0
+
+
+def plot(rows: list[dict[str, Any]], path: str, problem: str) -> None:
+    """Steady seconds and peak memory growth against size, one line per column (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for column in dict.fromkeys(r["column"] for r in rows):
+        cells = sorted((r["atoms"], r["steady_s"], r["peak_growth_mib"]) for r in rows
+                       if r["column"] == column and "error" not in r)
+        if cells:
+            sizes, seconds, mib = zip(*cells)
+            ax_t.plot(sizes, seconds, "o-", label=column)
+            ax_m.plot(sizes, [max(m, 0.1) for m in mib], "o-", label=column)
+    for ax, label in ((ax_t, "steady call, s"), (ax_m, "peak growth of one call, MiB")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("grid side" if problem == "poisson" else "atoms")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(f"bench sparse_hessian --problem {problem}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
