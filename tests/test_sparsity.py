@@ -237,3 +237,22 @@ def test_the_bench_table_prints_each_column_against_dense():
     text = sparse_hessian.table(rows)
     assert "| 500 (13411) | dynbatch_sparse | 9.00 | 0.100 | 0.33 | 273 |" in text
     assert "failed: ModuleNotFoundError" in text
+
+
+def test_writes_in_place_are_followed():
+    """A buffer written in place after a view of it was taken (``index_add_``, ``mul_``): the
+    trace is functionalized first, so the view's reads see the writes, and the writes keep
+    their rules (unfunctionalized, each in-place op depended on everything)."""
+    def energy(x, i, j):
+        buf = torch.zeros_like(x)
+        head = buf[:, 0]  # a view read before the writes
+        d = x[i] - x[j]
+        buf.index_add_(0, i, d * d)
+        buf.mul_(x.sin())
+        return (head * x[:, 1]).sum()  # only through the view
+
+    x, (i, j) = sp.lennard_jones_problem(27, cutoff=1.6)
+    got = dynbatch.hessian(energy, x, i, j, sparse=True, options=AOT_EAGER)
+    torch.testing.assert_close(got, AF.hessian(lambda t: energy(t, i, j), x), rtol=1e-12, atol=1e-10)
+    c = _counts()
+    assert c["grads_compressed"] == 1 and c["colours"] < c["rows"] / 2, c
