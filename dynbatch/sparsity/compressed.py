@@ -30,6 +30,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import _compat
+from ..capture.requires_grad_tracing import program_input
 from ..cpu import native_gemm
 from ..records import STATS
 from . import colouring
@@ -136,7 +137,7 @@ def _products(products_of, x, seeds, args, group) -> torch.Tensor:
     this rank's share (seeds r, r + W, ...), the ranks' shares summed into every rank."""
     if group is None:
         _compat.mark_batch_dynamic(seeds)  # B symbolic from the first compile: a colour count is a B
-        return products_of(x, seeds, *args).reshape(seeds.shape[0], -1)
+        return products_of(program_input(x), seeds, *args).reshape(seeds.shape[0], -1)
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -145,7 +146,7 @@ def _products(products_of, x, seeds, args, group) -> torch.Tensor:
     if mine.numel():
         part = seeds[mine]
         _compat.mark_batch_dynamic(part)
-        full[mine] = products_of(x, part, *args).reshape(mine.numel(), -1)
+        full[mine] = products_of(program_input(x), part, *args).reshape(mine.numel(), -1)
     STATS.counters["products_here"] += mine.numel()
     dist.all_reduce(full, group=group)
     return full
@@ -157,13 +158,14 @@ def _programs(f, options) -> dict[str, Callable]:
     if key in per_f:
         return per_f[key]
 
+    # The leaf as NOTE [Leaves of dynbatch's programs] has it: made inside (2.12+), or given.
     def hessian_products(x, seeds, *args):
-        x = x.detach().requires_grad_()
+        x = x if x.requires_grad else x.detach().requires_grad_()
         (g,) = torch.autograd.grad(f(x, *args), x, create_graph=True)
         return torch.autograd.grad(g, x, seeds, is_grads_batched=True)[0]
 
     def jacobian_products(x, seeds, *args):
-        x = x.detach().requires_grad_()
+        x = x if x.requires_grad else x.detach().requires_grad_()
         return torch.autograd.grad(f(x, *args), x, seeds, is_grads_batched=True)[0]
 
     compiled = {"hessian": torch.compile(hessian_products, backend="dynbatch", options=options),
