@@ -41,6 +41,11 @@ def _mlp_energy(x, w1, w2):
     return (torch.tanh(x @ w1) @ w2).sum()
 
 
+def _softplus_energy(x, w1, w2):
+    # softplus_backward carries no pointwise tag: its own rule keeps the blocks
+    return (torch.nn.functional.softplus(x @ w1) @ w2).sum()
+
+
 def _softmax_rows(x):
     return torch.softmax(x, -1) * x.cumsum(0)
 
@@ -63,6 +68,7 @@ def _cases():
         "message_passing_hessian": ("hessian", model, (pos, mi, mj), False),
         "poisson_jacobian": ("jacobian", sp.poisson_residual, (u, s), True),
         "mlp_hessian": ("hessian", _mlp_energy, (x, w1, w2), True),
+        "softplus_hessian": ("hessian", _softplus_energy, (x, w1, w2), True),
         "softmax_cumsum_jacobian": ("jacobian", _softmax_rows, (y,), False),
         "no_rule_jacobian": ("jacobian", _solve, (y[:, :4].clone(),), False),
     }

@@ -269,16 +269,22 @@ def _trace(kind, f, x, args):
 
     fn = hessian_row_function if kind == "hessian" else f
     cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in (x, *args)]
-    # Functionalized: a write in place (scatter_add_, mul_) would change a tensor after the
-    # nodes that read it were given its pattern, and the pattern would miss entries.
-    # The grad is traced first (functorch refuses requires_grad_() under functionalize),
-    # then its flat aten graph again, functionalized.
-    gm = make_fx(torch.func.functionalize(make_fx(fn)(*cpu_args), remove="mutations"))(*cpu_args)
-    mutating = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                and n.target._schema.is_mutable]
-    if mutating:
-        raise RuntimeError(f"the trace writes in place after functionalization ({mutating[0].target})")
+    # A value read into Python (``.item()``, ``int(t.max())``) is traced as the call's: the
+    # plan of such a trace is found again at every call (_pattern_follows_inputs).
+    gm = make_fx(fn, _error_on_data_dependent_ops=False)(*cpu_args)
+    if _writes_in_place(gm):
+        # Functionalized (the grad is traced first: functorch refuses requires_grad_() under
+        # functionalize): a write in place would change a tensor after nodes that read it
+        # (a view taken before) were given its pattern, and the pattern would miss entries.
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), _error_on_data_dependent_ops=False)(*cpu_args)
+        if _writes_in_place(gm):
+            raise RuntimeError("the trace writes in place after functionalization")
     return gm, cpu_args
+
+
+def _writes_in_place(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes)
 
 
 def _integer_digest(gm: torch.fx.GraphModule, args: list[Any]) -> str:

@@ -119,6 +119,11 @@ _ELEMENTWISE = {
     aten._to_copy.default, aten.detach.default, aten.alias.default, aten.lift_fresh_copy.default,
     aten.copy.default, aten.masked_fill.Tensor, aten.masked_fill.Scalar, aten.where.self,
     aten.clone.default, aten.to.dtype, aten.fill.Scalar,
+    # activations' backward kernels, elementwise but untagged
+    aten.softplus_backward.default, aten.elu_backward.default, aten.hardtanh_backward.default,
+    aten.leaky_relu_backward.default, aten.log_sigmoid_backward.default, aten.mish_backward.default,
+    aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
+    aten.softshrink_backward.default, aten.hardshrink_backward.default, aten.rrelu_with_noise_backward.default,
 }
 
 # Data movement: applied to element ids, the output says which element each came from.
