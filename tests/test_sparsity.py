@@ -241,7 +241,7 @@ def test_the_bench_table_prints_each_column_against_dense():
              "peak_growth_mib": 20.0, "colours": 273, "max_diff_from_dense": 1e-13},
             {"column": "asdex", "atoms": 500, "error": "ModuleNotFoundError: No module named 'asdex'"}]
     text = sparse_hessian.table(rows)
-    assert "| 500 (13411) | dynbatch_sparse | 9.00 | 0.100 | 0.33 | 273 |" in text
+    assert "| 500 (13411) | dynbatch_sparse | 9.00 | 0.100 | 0.33 | 273 | 20 | 1.0e-13 | - |" in text
     assert "failed: ModuleNotFoundError" in text
 
 

@@ -13,7 +13,8 @@ size runs in a fresh process with an empty Inductor cache (its first call is a c
 compile), one thread pinned to one core; it reports the first call, the median of the
 steady calls, the colours, the largest difference from the dense dynbatch result of
 the same size, and the peak memory growth over the steady calls (the RSS high-water mark,
-reset first), the result they return included.
+reset first), the result they return included, and the cores the steady calls used (CPU
+time over wall time: 1.0 on one core).
 
     python -m dynbatch.bench sparse_hessian --sizes 500,2000 --columns dynbatch_dense,dynbatch_sparse,asdex
 """
@@ -39,6 +40,11 @@ COLUMNS = ("eager", "dynbatch_dense", "dynbatch_sparse", "dynbatch_csr", "jax", 
 # Dense columns past these sizes take minutes or a dense result that does not fit: skipped.
 DENSE_LIMIT = {"lennard_jones": {"eager": 500, "jax": 500}, "message_passing": {"eager": 500},
                "poisson": {"eager": 100, "dynbatch_dense": 100}}
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status_mib(field: str) -> float | None:
@@ -130,13 +136,15 @@ def _child(problem: str, column: str, atoms: int, repeats: int) -> dict[str, Any
     steady = []
     del result
     rss_before = _peak_reset()
+    cpu_before, wall_before = _cpu_seconds(), time.perf_counter()
     for _ in range(repeats):
         start = time.perf_counter()
         result = call()
         steady.append(time.perf_counter() - start)
         if _ != repeats - 1:
             del result
-    row = {"problem": problem, "column": column, "atoms": atoms,
+    cores_used = (_cpu_seconds() - cpu_before) / (time.perf_counter() - wall_before)
+    row = {"problem": problem, "cores_used": cores_used, "column": column, "atoms": atoms,
            "pairs": int(args[0].numel()) if kind == "hessian" else x.numel(), "first_s": first,
            "steady_s": sorted(steady)[len(steady) // 2], "peak_growth_mib": _peak_mib() - rss_before}
     if column.startswith("dynbatch"):
@@ -166,7 +174,7 @@ def _run(problem: str, column: str, atoms: int, repeats: int, threads: int) -> d
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["size (pairs or unknowns)", "column", "first call s", "steady s", "/ dynbatch_dense", "colours",
-            "peak growth MiB", "max diff from dense"]
+            "peak growth MiB", "max diff from dense", "cores used"]
     dense = {r["atoms"]: r.get("steady_s") for r in rows if r["column"] == "dynbatch_dense"}
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -178,7 +186,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         diff = r.get("max_diff_from_dense")
         lines.append("| " + " | ".join([size, r["column"], f"{r['first_s']:.2f}", f"{r['steady_s']:.3f}",
                                         f"{ratio:.2f}" if ratio else "-", str(r.get("colours") or "-"),
-                                        f"{r['peak_growth_mib']:.0f}", f"{diff:.1e}" if diff is not None else "-"])
+                                        f"{r['peak_growth_mib']:.0f}", f"{diff:.1e}" if diff is not None else "-",
+                                        f"{r['cores_used']:.2f}" if "cores_used" in r else "-"])
                      + " |")
     return "\n".join(lines)
 
