@@ -182,3 +182,20 @@ def assert_backend_ran(graphs=1, batched=None):
     assert c.get("fallbacks", 0) == 0, dynbatch.fallback_reasons()
     if batched is not None:
         assert c.get("grads_batched", 0) == batched, c
+
+
+def run_two_ranks(worker: str, tmp_path) -> str:
+    """Run ``worker`` (a script that ``mp.spawn``s two ranks, each printing "rank R ok ...")
+    in a fresh process with a file store under ``tmp_path``; its output once both ranks passed."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=600, env=env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(" ok ") == 2, done.stdout
+    return done.stdout

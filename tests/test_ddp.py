@@ -9,13 +9,12 @@ eager model under DDP (grads averaged over the ranks), and the compiled paths ra
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch.distributed
+
+from conftest import run_two_ranks
 
 WORKER = textwrap.dedent('''
     import os, sys
@@ -80,10 +79,4 @@ WORKER = textwrap.dedent('''
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="this torch has no gloo backend")
 def test_force_training_under_ddp_matches_eager_ddp(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(" ok ") == 2, done.stdout
+    run_two_ranks(WORKER, tmp_path)

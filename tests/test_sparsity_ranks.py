@@ -4,13 +4,12 @@ eager's whole Hessian.  NCCL is the same call with a GPU per rank (docs/usage.md
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch.distributed
+
+from conftest import run_two_ranks
 
 WORKER = textwrap.dedent('''
     import sys
@@ -45,13 +44,7 @@ WORKER = textwrap.dedent('''
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="this torch has no gloo backend")
 def test_a_sparse_hessian_shared_across_two_ranks_equals_eager(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=600, env=env, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(" ok ") == 2, done.stdout
+    run_two_ranks(WORKER, tmp_path)
 
 
 def test_a_process_group_without_torch_distributed_is_a_user_error():

@@ -148,10 +148,15 @@ def compiler() -> str | None:
 
 
 def build(cc: str, out_dir: Path, isa: str = "avx2") -> Path:
-    """The shared library, compiled unless a build of this source and command exists."""
-    command = [cc, *ISAS[isa][0]]
-    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]
-    target = out_dir / f"sgemm_{isa}-{digest}.so"
+    """The GEMM's shared library for ``isa``, compiled unless this build exists."""
+    return build_library(SOURCE, [cc, *ISAS[isa][0]], out_dir, f"sgemm_{isa}")
+
+
+def build_library(source: Path, command: list[str], out_dir: Path, stem: str) -> Path:
+    """``source`` compiled by ``command`` into ``out_dir``, unless a build of this source
+    and command exists (named by their digest)."""
+    digest = hashlib.sha256(source.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]
+    target = out_dir / f"{stem}-{digest}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +165,7 @@ def build(cc: str, out_dir: Path, isa: str = "avx2") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([*command, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([*command, str(source), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

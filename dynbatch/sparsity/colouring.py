@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -42,21 +39,9 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         log.info("dynbatch: no C compiler found: sparse derivatives are not available")
         return None
-    command = [cc, "-O2", "-shared", "-fPIC"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(command).encode()).hexdigest()[:16]
     out_dir = Path(_compat.inductor_cache_dir()) / "dynbatch"
-    target = out_dir / f"colour-{digest}.so"
     try:
-        if not target.exists():
-            out_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # renamed into place: atomic
-            os.close(fd)
-            try:
-                subprocess.run([*command, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        target = native_gemm.build_library(SOURCE, [cc, "-O2", "-shared", "-fPIC"], out_dir, "colour")
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
         log.info("dynbatch: the colouring did not build (%s): sparse derivatives are not available",
