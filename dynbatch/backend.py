@@ -26,6 +26,7 @@ from .capture import grad_calls, requires_grad_tracing
 from .lowering import aot_cache, inductor, verify
 from .planning import chunking, memory
 from .region import edge
+from .sparsity import rewrite
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
@@ -51,6 +52,9 @@ def dynbatch_backend(
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
+    if opts.sparse:
+        with records.own_pass("batching_pass"):
+            rewrite.compress_identity_grads(gm, options)
     with records.own_pass("batching_pass"):
         eager_gm, gm = gm, grad_pass.batch_vmapped_grads(gm)
         result = grad_pass.batch_grads(gm)

@@ -63,6 +63,10 @@ class Options:
     # a warm process skips their trace.  Off by default: a grad taken outside a graph from
     # the cache recomputes its forward where the cold graph batches its saved activations.
     aot_cache: bool = False
+    # Batched grads over an identity (functional.jacobian/hessian(vectorize=True)) computed
+    # by colours at run time, one batched grad per colour (sparsity/rewrite.py, NOTE
+    # [Identity grads by colours]).  Off by default for now.
+    sparse: bool = False
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -91,7 +95,7 @@ class Options:
         if not (isinstance(keep, bool) or keep == "large"):
             raise ValueError(f"dynbatch: option {PREFIX}keep_cpu_buffers={ours['keep_cpu_buffers']!r}; "
                              f"choose one of {list(KEEP_CPU_BUFFERS)}")
-        for flag in ("record_graphs", "verify", "aot_cache"):
+        for flag in ("record_graphs", "verify", "aot_cache", "sparse"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:

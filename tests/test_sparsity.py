@@ -262,3 +262,70 @@ def test_writes_in_place_are_followed():
     torch.testing.assert_close(got, AF.hessian(lambda t: energy(t, i, j), x), rtol=1e-12, atol=1e-10)
     c = _counts()
     assert c["grads_compressed"] == 1 and c["colours"] < c["rows"] / 2, c
+
+
+SPARSE = {**AOT_EAGER, "dynbatch.sparse": True}
+
+
+class _ScaledLennardJones(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.epsilon = torch.nn.Parameter(torch.tensor(1.3, dtype=torch.float64))
+
+    def forward(self, x, i, j):
+        return self.epsilon * sp.lennard_jones(x, i, j)
+
+
+def test_functional_hessian_inside_a_compiled_function_by_colours():
+    """``dynbatch.sparse``: functional.hessian(vectorize=True) in one compiled graph runs as
+    a star-coloured Hessian (NOTE [Identity grads by colours]), a parameter that requires
+    grad read from outside; a repeat compiles nothing."""
+    model = _ScaledLennardJones()
+    pos, (i, j) = sp.lennard_jones_problem(64, cutoff=1.6)
+
+    def hessian(p, i, j):
+        return AF.hessian(lambda t: model(t, i, j), p, vectorize=True)
+
+    compiled = torch.compile(hessian, backend="dynbatch", fullgraph=True, options=SPARSE)
+    want = hessian(pos, i, j)
+    torch.testing.assert_close(compiled(pos, i, j), want, rtol=1e-10, atol=1e-12)
+    first = _counts()
+    assert dynbatch.counters()["grads_structured"] == 1 and first["grads_compressed"] == 1
+    assert first["colours"] < first["rows"] == pos.numel()
+    torch.testing.assert_close(compiled(pos, i, j), want, rtol=1e-10, atol=1e-12)
+    assert _counts()["graphs"] == first["graphs"]
+
+
+def test_functional_jacobian_inside_a_compiled_function_by_colours():
+    u, s = sp.poisson_problem(12)
+
+    def jacobian(u, s):
+        return AF.jacobian(lambda t: sp.poisson_residual(t, s), u, vectorize=True)
+
+    got = torch.compile(jacobian, backend="dynbatch", fullgraph=True, options=SPARSE)(u, s)
+    torch.testing.assert_close(got, jacobian(u, s), rtol=1e-12, atol=1e-12)
+    c = _counts()
+    assert c["grads_compressed"] == 1 and c["colours"] <= 10 and c["rows"] == 144
+
+
+def test_other_seeds_take_the_batched_grad_uncompressed():
+    x, (i, j) = sp.lennard_jones_problem(27, cutoff=1.6)
+    seeds = torch.randn(5, 81, dtype=torch.float64)
+
+    def rows(x, i, j, v):
+        x = x.detach().requires_grad_()
+        g = torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0].reshape(-1)
+        return torch.autograd.grad(g, x, v, is_grads_batched=True)[0]
+
+    got = torch.compile(rows, backend="dynbatch", fullgraph=True, options=SPARSE)(x, i, j, seeds)
+    want = torch.stack([rows(x, i, j, v[None])[0] for v in seeds])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-10)
+    assert dynbatch.counters()["grads_structured"] == 1 and _counts()["grads_compressed"] == 0
+
+
+def test_identity_grads_keep_their_batched_grad_unless_asked():
+    x, (i, j) = sp.lennard_jones_problem(8, cutoff=1.6)
+    h = torch.compile(lambda x, i, j: AF.hessian(lambda t: sp.lennard_jones(t, i, j), x, vectorize=True),
+                      backend="dynbatch", fullgraph=True, options=AOT_EAGER)
+    torch.testing.assert_close(h(x, i, j), AF.hessian(lambda t: sp.lennard_jones(t, i, j), x))
+    assert "grads_structured" not in dynbatch.counters() and dynbatch.counters()["grads_batched"] == 1

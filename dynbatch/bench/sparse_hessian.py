@@ -152,7 +152,8 @@ def _child(problem: str, column: str, atoms: int, repeats: int) -> dict[str, Any
 
         c = dynbatch.counters()
         row["colours"] = c.get("colours", 0) // max(1, c.get("grads_compressed", 0)) or None
-    if column in ("dynbatch_sparse", "dynbatch_csr", "eager"):
+    if column in ("dynbatch_sparse", "dynbatch_csr", "eager") and atoms <= DENSE_LIMIT[problem].get(
+            "dynbatch_dense", atoms):
         import dynbatch
 
         dense = getattr(dynbatch, kind)(f, x, *args, sparse=False).reshape(-1, x.numel())

@@ -103,11 +103,11 @@ def _derivative(kind, f, x, args, layout, sparse, options, process_group=None) -
     products_of = _programs(f, options)[kind]
     if plan is None:
         STATS.counters["grads_dense_rows"] += 1
-        out_numel, eye = _dense_rows(kind, f, x, args)
+        out_shape, eye = _dense_rows(kind, f, x, args)
         dense = _products(products_of, x, eye, args, group)  # [rows, n] (Jacobian: [m, n]; Hessian: [n, n])
         if layout == torch.sparse_csr:
             return dense.to_sparse_csr()
-        return dense.reshape(*_out_shape(kind, f, x, args, out_numel), *x.shape)
+        return dense.reshape(*out_shape, *x.shape)
     STATS.counters["grads_compressed"] += 1
     STATS.counters["colours"] += plan.colours
     STATS.counters["rows"] += plan.n_rows
@@ -155,7 +155,9 @@ def _products(products_of, x, seeds, args, group) -> torch.Tensor:
 
 
 def _programs(f, options) -> dict[str, Callable]:
-    key = tuple(sorted((options or {}).items()))
+    # The products are batched grads over seeds: never compressed again (sparsity/rewrite.py).
+    options = {k: v for k, v in (options or {}).items() if k != "dynbatch.sparse"}
+    key = tuple(sorted(options.items()))
     per_f = _PROGRAMS.setdefault(f, {}) if _weakrefable(f) else {}
     if key in per_f:
         return per_f[key]
@@ -184,19 +186,14 @@ def _weakrefable(f) -> bool:
     return True
 
 
-def _dense_rows(kind, f, x, args) -> tuple[int, torch.Tensor]:
+def _dense_rows(kind, f, x, args) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The result's leading shape and the identity over it (the dense rows' seeds)."""
     if kind == "hessian":
-        return x.numel(), torch.eye(x.numel(), dtype=x.dtype, device=x.device).reshape(x.numel(), *x.shape)
-    with torch.no_grad():
-        out = f(x, *args)
-    return out.numel(), torch.eye(out.numel(), dtype=out.dtype, device=out.device).reshape(out.numel(), *out.shape)
-
-
-def _out_shape(kind, f, x, args, out_numel) -> tuple[int, ...]:
-    if kind == "hessian":
-        return tuple(x.shape)
-    with torch.no_grad():
-        return tuple(f(x, *args).shape)
+        shape = tuple(x.shape)
+    else:
+        shape = tuple(f(x, *args).shape)  # with grads as the caller has them: f may take some
+    numel = int(torch.Size(shape).numel())
+    return shape, torch.eye(numel, dtype=x.dtype, device=x.device).reshape(numel, *shape)
 
 
 def _seeds(kind, plan: _Plan, x, f, args) -> torch.Tensor:
