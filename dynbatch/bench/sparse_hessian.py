@@ -38,7 +38,8 @@ from .cli import pin_to_cores
 
 COLUMNS = ("eager", "dynbatch_dense", "dynbatch_sparse", "dynbatch_csr", "jax", "asdex")
 # Dense columns past these sizes take minutes or a dense result that does not fit: skipped.
-DENSE_LIMIT = {"lennard_jones": {"eager": 500, "jax": 500}, "message_passing": {"eager": 500},
+DENSE_LIMIT = {"lennard_jones": {"eager": 500, "jax": 500, "dynbatch_dense": 5000, "dynbatch_sparse": 5000},
+               "message_passing": {"eager": 500},
                "poisson": {"eager": 100, "dynbatch_dense": 100, "dynbatch_sparse": 100}}
 
 
