@@ -329,3 +329,8 @@ def test_identity_grads_keep_their_batched_grad_unless_asked():
                       backend="dynbatch", fullgraph=True, options=AOT_EAGER)
     torch.testing.assert_close(h(x, i, j), AF.hessian(lambda t: sp.lennard_jones(t, i, j), x))
     assert "grads_structured" not in dynbatch.counters() and dynbatch.counters()["grads_batched"] == 1
+
+
+def test_a_bad_sparse_value_raises():
+    with pytest.raises(ValueError, match="sparse must be"):
+        dynbatch.hessian(sp.lennard_jones, torch.zeros(2, 3), torch.tensor([0]), torch.tensor([1]), sparse="yes")

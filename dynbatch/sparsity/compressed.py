@@ -22,6 +22,7 @@ tensor in it, so pairs moved by the positions recolour and the same pairs do not
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import weakref
@@ -63,6 +64,17 @@ class _Plan:
     def flat(self) -> torch.Tensor:
         return self.rows * self.n_cols + self.cols
 
+    def on(self, device: torch.device) -> _Plan:
+        """The plan's index tensors on ``device`` (found on the CPU; moved once per device)."""
+        if device.type == "cpu":
+            return self
+        moved = self.__dict__.setdefault("_moved", {})
+        if device not in moved:
+            moved[device] = dataclasses.replace(self, **{
+                f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return moved[device]
+
 
 _PLANS: dict[tuple, _Plan | None] = {}
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -93,6 +105,8 @@ def jacobian(f: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, layout
 def _derivative(kind, f, x, args, layout, sparse, options, process_group=None) -> torch.Tensor:
     if layout not in (torch.strided, torch.sparse_csr):
         raise ValueError(f"layout must be torch.strided or torch.sparse_csr, not {layout}")
+    if sparse not in (True, False, "auto"):
+        raise ValueError(f'sparse must be True, False or "auto", not {sparse!r}')
     group = _group(process_group)
     x = x.detach()
     plan = _plan(kind, f, x, args) if sparse is not False else None
@@ -111,7 +125,8 @@ def _derivative(kind, f, x, args, layout, sparse, options, process_group=None) -
     STATS.counters["grads_compressed"] += 1
     STATS.counters["colours"] += plan.colours
     STATS.counters["rows"] += plan.n_rows
-    products = _products(products_of, x, _seeds(kind, plan, x, f, args), args, group)
+    plan = plan.on(x.device)
+    products = _products(products_of, x, _seeds(kind, plan, x), args, group)
     values = products[plan.read_colour, plan.read_row]
     if layout == torch.sparse_csr:
         return torch.sparse_csr_tensor(plan.crow, plan.cols, values, (plan.n_rows, plan.n_cols), check_invariants=False)
@@ -196,17 +211,17 @@ def _dense_rows(kind, f, x, args) -> tuple[tuple[int, ...], torch.Tensor]:
     return shape, torch.eye(numel, dtype=x.dtype, device=x.device).reshape(numel, *shape)
 
 
-def _seeds(kind, plan: _Plan, x, f, args) -> torch.Tensor:
+def _seeds(kind, plan: _Plan, x) -> torch.Tensor:
     """S: one row per colour, 1 at the columns (Hessian) or rows (Jacobian) of that colour."""
-    seeds = torch.zeros(plan.colours, plan.colour.numel(), dtype=x.dtype)
-    seeds[plan.colour, torch.arange(plan.colour.numel())] = 1
-    return seeds.reshape(plan.colours, *(x.shape if kind == "hessian" else plan.out_shape)).to(x.device)
+    seeds = torch.zeros(plan.colours, plan.colour.numel(), dtype=x.dtype, device=x.device)
+    seeds[plan.colour, torch.arange(plan.colour.numel(), device=x.device)] = 1
+    return seeds.reshape(plan.colours, *(x.shape if kind == "hessian" else plan.out_shape))
 
 
 # --- the plan: pattern, colouring, what to read -------------------------------------------
 
 def _plan(kind, f, x, args) -> _Plan | None:
-    if x.device.type != "cpu" and not colouring.available():
+    if not colouring.available():
         return None
     # A function whose trace reads no value into Python and computes no integer tensor
     # has the same pattern wherever its inputs' shapes and integer contents are the same.
