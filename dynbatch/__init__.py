@@ -27,6 +27,7 @@ from .batching.grad_pass import BatchingResult, batch_grads
 from .graph_text import graph_text
 from .options import Options
 from .records import STATS, CompileRecord
+from .sparsity import compressed as _compressed
 from .sparsity.compressed import hessian, jacobian
 
 __all__ = [
@@ -53,8 +54,10 @@ def compile_records() -> list[CompileRecord]:
 
 
 def reset() -> None:
-    """Clear counters and records (Dynamo's own caches are torch._dynamo.reset())."""
+    """Clear counters, records and the sparse derivatives' plans (Dynamo's own caches are
+    torch._dynamo.reset())."""
     STATS.reset()
+    _compressed.clear_caches()
 
 
 def register() -> None:

@@ -152,6 +152,9 @@ def test_lennard_jones_hessian_compressed_equals_eager_and_a_repeat_compiles_not
     again = dynbatch.hessian(sp.lennard_jones, x, i, j, sparse=True, options=AOT_EAGER)
     torch.testing.assert_close(again, want, rtol=1e-12, atol=1e-10)
     assert _counts()["graphs"] == first["graphs"]
+    # the same neighbour list: the plan comes from the inputs' digest, no trace
+    c = dynbatch.counters()
+    assert c["sparse_traces"] == 1 and c["sparse_plans"] == 1, c
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     # Other pairs (as many), another colour count: B is symbolic, nothing recompiles.
     i2, j2 = i.clone(), j.clone()
@@ -161,6 +164,7 @@ def test_lennard_jones_hessian_compressed_equals_eager_and_a_repeat_compiles_not
     second = _counts()
     assert second["colours"] - first["colours"] not in (0, first["colours"])  # a new pattern's count
     assert second["graphs"] == first["graphs"]
+    assert dynbatch.counters()["sparse_plans"] == 2
 
 
 def test_the_dense_rows_and_the_compressed_ones_agree_and_csr_holds_the_same_values():
@@ -199,12 +203,10 @@ def test_auto_stays_dense_where_colours_do_not_pay():
 def test_an_ambiguous_colouring_goes_dense_with_a_warning(monkeypatch, caplog):
     x, (i, j) = sp.lennard_jones_problem(27, cutoff=1.6)
     monkeypatch.setattr(colouring, "star_colouring", lambda p: torch.zeros(p.n, dtype=torch.long))
-    compressed._PLANS.clear()
-    compressed._BY_INPUTS.clear()
+    compressed.clear_caches()
     with caplog.at_level(logging.WARNING, logger="dynbatch"):
         got = dynbatch.hessian(sp.lennard_jones, x, i, j, sparse=True, options=AOT_EAGER)
-    compressed._PLANS.clear()
-    compressed._BY_INPUTS.clear()
+    compressed.clear_caches()
     torch.testing.assert_close(got, AF.hessian(lambda t: sp.lennard_jones(t, i, j), x), rtol=1e-12, atol=1e-10)
     assert "ambiguous" in caplog.text and _counts()["grads_dense_rows"] == 1
 
@@ -220,10 +222,13 @@ def test_a_pattern_that_follows_the_values_is_found_again_each_call():
         return (4 * (inv6 * inv6 - inv6)).sum()
 
     x, (i, j) = sp.lennard_jones_problem(27, cutoff=2.5)
-    for pos in (x, x * 1.08):
+    for pos in (x, x, x * 1.08):
         got = dynbatch.hessian(cut_energy, pos, i, j, sparse=True, options=AOT_EAGER)
         torch.testing.assert_close(got, AF.hessian(lambda t: cut_energy(t, i, j), pos), rtol=1e-12, atol=1e-10)
     assert not compressed._BY_INPUTS.get(cut_energy)  # never keyed by the inputs alone
+    c = dynbatch.counters()
+    # traced at every call; the same positions keep their plan, moved ones (pairs in or out) plan anew
+    assert c["sparse_traces"] == 3 and c["sparse_plans"] == 2, c
 
 
 def test_bad_layout_raises_as_a_user_error():

@@ -80,6 +80,13 @@ _PLANS: dict[tuple, _Plan | None] = {}
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def clear_caches() -> None:
+    """Forget every plan and products program (``dynbatch.reset()``)."""
+    _PLANS.clear()
+    _BY_INPUTS.clear()
+    _PROGRAMS.clear()
+
+
 def hessian(f: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, layout: torch.layout = torch.strided,
             sparse: bool | str = "auto", process_group: Any = None,
             options: dict[str, Any] | None = None) -> torch.Tensor:
@@ -231,6 +238,7 @@ def _plan(kind, f, x, args) -> _Plan | None:
         return by_inputs[inputs_key]
     try:
         gm, traced_args = _trace(kind, f, x, args)
+        STATS.counters["sparse_traces"] += 1
     except Exception as e:  # noqa: BLE001 - a function we cannot trace is computed dense
         log.info("dynbatch: %s of %s not traced for its pattern (%s): dense", kind, _name(f), e)
         return None
@@ -238,6 +246,7 @@ def _plan(kind, f, x, args) -> _Plan | None:
            _integer_digest(gm, traced_args))
     if key not in _PLANS:
         _PLANS[key] = _new_plan(kind, gm, traced_args, f)
+        STATS.counters["sparse_plans"] += 1
     if _pattern_follows_inputs(gm):
         by_inputs[inputs_key] = _PLANS[key]
     return _PLANS[key]
