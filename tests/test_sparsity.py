@@ -339,3 +339,17 @@ def test_identity_grads_keep_their_batched_grad_unless_asked():
 def test_a_bad_sparse_value_raises():
     with pytest.raises(ValueError, match="sparse must be"):
         dynbatch.hessian(sp.lennard_jones, torch.zeros(2, 3), torch.tensor([0]), torch.tensor([1]), sparse="yes")
+
+
+def test_a_rule_that_fails_goes_dense_not_raising(monkeypatch, caplog):
+    from dynbatch.sparsity import pattern
+
+    def broken(self, n, args, value):
+        raise IndexError("a rule that could not read its op")
+
+    monkeypatch.setattr(pattern._Propagation, "_reduction", broken)
+    x, (i, j) = sp.lennard_jones_problem(27, cutoff=1.6)
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        got = dynbatch.hessian(sp.lennard_jones, x, i, j, options=AOT_EAGER)
+    torch.testing.assert_close(got, AF.hessian(lambda t: sp.lennard_jones(t, i, j), x), rtol=1e-12, atol=1e-10)
+    assert "no sparse plan" in caplog.text and _counts()["grads_dense_rows"] == 1
