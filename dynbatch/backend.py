@@ -48,15 +48,15 @@ def dynbatch_backend(
 ) -> Callable[..., Any]:
     opts = Options.from_compile_args(mode, options)
     record = CompileRecord(chunk_program=chunk_program)
-    example_inputs = requires_grad_tracing.with_traced_requires_grad(gm, example_inputs)
+    call_values, example_inputs = example_inputs, requires_grad_tracing.with_traced_requires_grad(gm, example_inputs)
     if opts.record_graphs:
         record.dynamo_graph = graph_text(gm, "dynamo")
 
-    if opts.sparse:
-        with records.own_pass("batching_pass"):
-            rewrite.compress_identity_grads(gm, options)
     with records.own_pass("batching_pass"):
         eager_gm, gm = gm, grad_pass.batch_vmapped_grads(gm)
+        # After the vmaps' grads became batched grads: a vmap over an eye is one too.
+        if opts.sparse and not opts.inductor_config.get("triton.cudagraphs"):  # the op compiles: never in a replay
+            rewrite.compress_identity_grads(gm, options, call_values if opts.sparse == "auto" else None)
         result = grad_pass.batch_grads(gm)
     record.batched, record.plain = result.batched, result.plain
     if result.unsupported:
@@ -102,7 +102,7 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
     # graphs: it runs inside the graph's chunk loop, which is never replayed (the op is
     # cudagraph_unsafe), and a replay would overwrite one chunk's grads with the next's.
     unbudgeted = {**(options or {}), "dynbatch.memory_budget": None, "dynbatch.chunk_size": None,
-                  "triton.cudagraphs": False}
+                  "triton.cudagraphs": False, "dynbatch.sparse": False}
     compile_program = functools.partial(_compile_like, mode=mode, options=unbudgeted, chunk_program=True)
 
     def lower_chunked(grads: Sequence[str], inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -20,6 +20,7 @@ ON_UNSUPPORTED = ("fallback", "error")
 CPU_MATMUL = ("auto", "aten", "flipped", "onednn", "openblas", "avx2", "avx512")
 RECOMPUTE = ("auto", "always", "never")
 KEEP_CPU_BUFFERS = (True, "large", False)
+SPARSE = ("auto", True, False)
 
 
 
@@ -65,8 +66,10 @@ class Options:
     aot_cache: bool = False
     # Batched grads over an identity (functional.jacobian/hessian(vectorize=True)) computed
     # by colours at run time, one batched grad per colour (sparsity/rewrite.py, NOTE
-    # [Identity grads by colours]).  Off by default for now.
-    sparse: bool = False
+    # [Identity grads by colours]): "auto" where the colours at the first call's values
+    # are fewer than half the rows (NOTE [When colours pay, decided at the first call]),
+    # True for every such grad, False never.
+    sparse: bool | str = "auto"
     # Inductor config patches derived from mode= and non-dynbatch options=.
     inductor_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -95,7 +98,10 @@ class Options:
         if not (isinstance(keep, bool) or keep == "large"):
             raise ValueError(f"dynbatch: option {PREFIX}keep_cpu_buffers={ours['keep_cpu_buffers']!r}; "
                              f"choose one of {list(KEEP_CPU_BUFFERS)}")
-        for flag in ("record_graphs", "verify", "aot_cache", "sparse"):
+        sparse = ours.get("sparse", "auto")
+        if not (isinstance(sparse, bool) or sparse == "auto"):
+            raise ValueError(f"dynbatch: option {PREFIX}sparse={ours['sparse']!r}; choose one of {list(SPARSE)}")
+        for flag in ("record_graphs", "verify", "aot_cache"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:

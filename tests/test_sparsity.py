@@ -328,17 +328,137 @@ def test_other_seeds_take_the_batched_grad_uncompressed():
     assert dynbatch.counters()["grads_structured"] == 1 and _counts()["grads_compressed"] == 0
 
 
-def test_identity_grads_keep_their_batched_grad_unless_asked():
+def _compiled_hessian(options):
+    return torch.compile(lambda x, i, j: AF.hessian(lambda t: sp.lennard_jones(t, i, j), x, vectorize=True),
+                         backend="dynbatch", fullgraph=True, options=options)
+
+
+def test_auto_keeps_a_small_hessians_batched_grad_in_the_graph():
+    """24 rows: fewer than the op's fixed cost pays for, so "auto" (the default) keeps the
+    batched grad fused in the graph, counted."""
     x, (i, j) = sp.lennard_jones_problem(8, cutoff=1.6)
-    h = torch.compile(lambda x, i, j: AF.hessian(lambda t: sp.lennard_jones(t, i, j), x, vectorize=True),
-                      backend="dynbatch", fullgraph=True, options=AOT_EAGER)
-    torch.testing.assert_close(h(x, i, j), AF.hessian(lambda t: sp.lennard_jones(t, i, j), x))
+    torch.testing.assert_close(_compiled_hessian(AOT_EAGER)(x, i, j), AF.hessian(lambda t: sp.lennard_jones(t, i, j), x))
+    c = dynbatch.counters()
+    assert "grads_structured" not in c and c["grads_batched"] == 1 and c["grads_identity_dense"] == 1, c
+
+
+def test_auto_keeps_a_dense_hessians_batched_grad_in_the_graph(caplog):
+    """Every pair within reach: as many colours as rows, so the batched grad stays fused,
+    logged with the colours."""
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=100.0)
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        got = _compiled_hessian(AOT_EAGER)(x, i, j)
+    torch.testing.assert_close(got, AF.hessian(lambda t: sp.lennard_jones(t, i, j), x), rtol=1e-12, atol=1e-10)
+    c = dynbatch.counters()
+    assert "grads_structured" not in c and c["grads_batched"] == 1 and c["grads_identity_dense"] == 1, c
+    assert "kept its batched grad: 375 colours for 375 rows" in caplog.text
+
+
+def test_auto_compresses_a_sparse_hessian_inside_a_compiled_function():
+    """No option: the pattern at the first call's values has few colours, so the
+    identity grad runs by colours; a repeat compiles nothing; False keeps the batched grad."""
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
+    want = AF.hessian(lambda t: sp.lennard_jones(t, i, j), x)
+    h = _compiled_hessian(AOT_EAGER)
+    torch.testing.assert_close(h(x, i, j), want, rtol=1e-12, atol=1e-10)
+    first = _counts()
+    assert dynbatch.counters()["grads_structured"] == 1 and first["grads_compressed"] == 1, first
+    assert first["colours"] * 2 < first["rows"] == x.numel()
+    torch.testing.assert_close(h(x, i, j), want, rtol=1e-12, atol=1e-10)
+    assert _counts()["graphs"] == first["graphs"] and _counts()["grads_compressed"] == 2
+    dynbatch.reset()
+    torch._dynamo.reset()
+    torch.testing.assert_close(_compiled_hessian({**AOT_EAGER, "dynbatch.sparse": False})(x, i, j), want,
+                               rtol=1e-12, atol=1e-10)
     assert "grads_structured" not in dynbatch.counters() and dynbatch.counters()["grads_batched"] == 1
+
+
+def test_auto_compresses_under_dynamic_shapes_across_atom_counts():
+    """dynamic=True: the identity's sizes are symbols (one size node twice); the graph
+    compiles once for both atom counts and each call runs by its own colours."""
+    h = torch.compile(lambda x, i, j: AF.hessian(lambda t: sp.lennard_jones(t, i, j), x, vectorize=True),
+                      backend="dynbatch", fullgraph=True, dynamic=True, options=AOT_EAGER)
+    for atoms in (125, 216):
+        x, (i, j) = sp.lennard_jones_problem(atoms, cutoff=1.6)
+        torch.testing.assert_close(h(x, i, j), AF.hessian(lambda t: sp.lennard_jones(t, i, j), x),
+                                   rtol=1e-12, atol=1e-10)
+    c = dynbatch.counters()
+    assert c["grads_structured"] == 1 and c["grads_compressed"] == 2 and c["rows"] == 3 * (125 + 216), c
+
+
+def test_auto_compresses_is_grads_batched_over_torch_eye():
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
+
+    def hessian(x, i, j):
+        x = x.detach().requires_grad_()
+        g = torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0].reshape(-1)
+        return torch.autograd.grad(g, x, torch.eye(g.numel(), dtype=x.dtype), is_grads_batched=True)[0]
+
+    got = torch.compile(hessian, backend="dynbatch", fullgraph=True, options=AOT_EAGER)(x, i, j)
+    torch.testing.assert_close(got, AF.hessian(lambda t: sp.lennard_jones(t, i, j), x).reshape(375, 125, 3),
+                               rtol=1e-12, atol=1e-10)
+    assert _counts()["grads_compressed"] == 1
+
+
+def test_auto_compresses_maces_vmap_over_an_eye():
+    """MACE's Hessian idiom inside the compiled function: ``torch.vmap`` of a grad of the
+    forces over an identity becomes a batched grad, then runs by (row) colours."""
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
+
+    def hessian(x, i, j):
+        x = x.detach().requires_grad_()
+        forces = -torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0]
+        eye = torch.eye(x.numel(), dtype=x.dtype).reshape(-1, *x.shape)
+        return torch.vmap(lambda v: torch.autograd.grad(-forces, x, v, retain_graph=True)[0])(eye)
+
+    got = torch.compile(hessian, backend="dynbatch", fullgraph=True, options=AOT_EAGER)(x, i, j)
+    torch.testing.assert_close(got, AF.hessian(lambda t: sp.lennard_jones(t, i, j), x).reshape(375, 125, 3),
+                               rtol=1e-12, atol=1e-10)
+    c = _counts()
+    assert c["grads_compressed"] == 1 and c["colours"] * 2 < c["rows"] == 375, c
+
+
+def test_auto_leaves_seeds_that_are_not_an_identity_batched():
+    """The README's batched VJP (random seeds): no colouring is tried."""
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
+    seeds = torch.randn(7, 375, dtype=torch.float64)
+
+    def rows(x, i, j, v):
+        x = x.detach().requires_grad_()
+        g = torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0].reshape(-1)
+        return torch.autograd.grad(g, x, v, is_grads_batched=True)[0]
+
+    got = torch.compile(rows, backend="dynbatch", fullgraph=True, options=AOT_EAGER)(x, i, j, seeds)
+    torch.testing.assert_close(got, torch.stack([rows(x, i, j, v[None])[0] for v in seeds]), rtol=1e-12, atol=1e-10)
+    c = dynbatch.counters()
+    assert "grads_structured" not in c and "sparse_traces" not in c and c["grads_batched"] == 1, c
+
+
+def test_auto_decides_per_call_where_the_function_reads_what_the_graph_computes():
+    """The neighbour list taken apart inside the compiled function: nothing is evaluated at
+    compile time; the op finds each call's pattern (another list recolours, B symbolic)."""
+    def hessian(x, pairs):
+        i, j = pairs[0], pairs[1]
+        return AF.hessian(lambda t: sp.lennard_jones(t, i, j), x, vectorize=True)
+
+    compiled = torch.compile(hessian, backend="dynbatch", fullgraph=True, options=AOT_EAGER)
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
+    fewer = torch.stack([i, j])[:, ::2].clone()
+    for pairs in (torch.stack([i, j]), fewer):
+        torch.testing.assert_close(compiled(x, pairs), hessian(x, pairs), rtol=1e-12, atol=1e-10)
+    c = dynbatch.counters()
+    # the second list's size recompiles the graph (as any new size would); each call colours its own
+    assert c["grads_structured"] == 2 and c["grads_compressed"] == 2 and c["sparse_plans"] == 2, c
 
 
 def test_a_bad_sparse_value_raises():
     with pytest.raises(ValueError, match="sparse must be"):
         dynbatch.hessian(sp.lennard_jones, torch.zeros(2, 3), torch.tensor([0]), torch.tensor([1]), sparse="yes")
+    from dynbatch.options import Options
+
+    for value in ("yes", 1, None):
+        with pytest.raises(ValueError, match=r"dynbatch.sparse=.*choose one of \['auto', True, False\]"):
+            Options.from_compile_args(None, {"dynbatch.sparse": value})
 
 
 def test_a_rule_that_fails_goes_dense_not_raising(monkeypatch, caplog):

@@ -54,3 +54,17 @@ def test_a_process_group_without_torch_distributed_is_a_user_error():
     x, (i, j) = sp.lennard_jones_problem(8, cutoff=1.6)
     with pytest.raises(ValueError, match="not initialised"):
         dynbatch.hessian(sp.lennard_jones, x, i, j, process_group=True)
+
+
+@pytest.mark.slow  # two rank processes, each compiling its products with Inductor (a minute on 2 cores)
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="this torch has no gloo backend")
+def test_the_benchs_two_rank_column_gives_the_dense_hessian():
+    import os
+
+    from dynbatch.bench import sparse_hessian
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the two-rank column needs two cores")
+    row = sparse_hessian._child("lennard_jones", "dynbatch_csr_2ranks", 27, 2, 1)
+    assert row["column"] == "dynbatch_csr_2ranks" and row["colours"] and row["max_diff_from_dense"] < 1e-10, row

@@ -13,7 +13,7 @@ from .functorch import outside_legacy_vmap
 
 
 __all__ = ["add_shape_guard", "backed_hints", "empty_graph_like", "expect_true", "guard_printer",
-           "has_unbacked_symbols", "ignored_shape_guards", "in_tracing_context", "real_tensors",
+           "has_unbacked_symbols", "ignored_shape_guards", "in_tracing_context", "is_fake", "real_tensors",
            "realized_graph_module", "size_hint", "sym_eq", "tracing_context"]
 
 
@@ -114,6 +114,13 @@ def real_tensors() -> Iterator[None]:
 
     with unset_fake_temporarily(), outside_legacy_vmap(), temporarily_clear_interpreter_stack():
         yield
+
+
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a FakeTensor (or a subclass wrapping one): a value only in shape."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
 
 
 def realized_graph_module(gm: Any) -> Any:

@@ -7,14 +7,16 @@ grid; ``--sizes`` are then grid sides).
 
 Columns: ``eager`` (``functional.hessian(vectorize=True)``), ``dynbatch_dense``
 (``dynbatch.hessian(sparse=False)``: a batched grad of B = 3N rows), ``dynbatch_sparse``
-(compressed, the dense result), ``dynbatch_csr`` (compressed, a CSR result), ``jax``
+(compressed, the dense result), ``dynbatch_csr`` (compressed, a CSR result),
+``dynbatch_csr_2ranks`` (the CSR one with its products shared by two gloo ranks,
+``process_group=True``, each rank on cores of its own: ``--threads`` cores per rank), ``jax``
 (``jit(hessian)``) and ``asdex`` (JAX's sparse Hessian), where installed.  Each column and
 size runs in a fresh process with an empty Inductor cache (its first call is a cold
 compile), one thread pinned to one core; it reports the first call, the median of the
 steady calls, the colours, the largest difference from the dense dynbatch result of
 the same size, and the peak memory growth over the steady calls (the RSS high-water mark,
 reset first), the result they return included, and the cores the steady calls used (CPU
-time over wall time: 1.0 on one core).
+time over wall time, summed over the ranks: 1.0 on one core).
 
     python -m dynbatch.bench sparse_hessian --sizes 500,2000 --columns dynbatch_dense,dynbatch_sparse,asdex
 """
@@ -36,7 +38,8 @@ import torch
 from . import sparse_problems
 from .cli import pin_to_cores
 
-COLUMNS = ("eager", "dynbatch_dense", "dynbatch_sparse", "dynbatch_csr", "jax", "asdex")
+COLUMNS = ("eager", "dynbatch_dense", "dynbatch_sparse", "dynbatch_csr", "dynbatch_csr_2ranks", "jax", "asdex")
+RANKED = "_2ranks"
 # Dense columns past these sizes take minutes or a dense result that does not fit: skipped.
 DENSE_LIMIT = {"lennard_jones": {"eager": 500, "jax": 500, "dynbatch_dense": 5000, "dynbatch_sparse": 5000},
                "message_passing": {"eager": 500},
@@ -86,8 +89,15 @@ def _problem(name: str, size: int):
     return "jacobian", sparse_problems.poisson_residual, u, (source,)
 
 
+def _ranks(column: str) -> int:
+    return 2 if column.endswith(RANKED) else 1
+
+
 def _torch_column(column: str, kind, f, x, args):
     import dynbatch
+
+    group = column.endswith(RANKED) or None
+    column = column.removesuffix(RANKED)
 
     if column == "eager":
         derivative = getattr(torch.autograd.functional, kind)
@@ -96,7 +106,7 @@ def _torch_column(column: str, kind, f, x, args):
     sparse = column != "dynbatch_dense"
 
     def call():
-        out = getattr(dynbatch, kind)(f, x, *args, sparse=sparse, layout=layout)
+        out = getattr(dynbatch, kind)(f, x, *args, sparse=sparse, layout=layout, process_group=group)
         return out if layout == torch.sparse_csr else out.reshape(-1, x.numel())
 
     return call
@@ -124,8 +134,15 @@ def _jax_column(column: str, kind, f, pos, args):
     return lambda: jax.block_until_ready(fn(jpos))
 
 
-def _child(problem: str, column: str, atoms: int, repeats: int) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def _child(problem: str, column: str, atoms: int, repeats: int, threads: int = 1) -> dict[str, Any]:
+    if _ranks(column) > 1:
+        return _ranked_child(problem, column, atoms, repeats, threads)
+    return _measure(problem, column, atoms, repeats, threads)
+
+
+def _measure(problem: str, column: str, atoms: int, repeats: int, threads: int) -> dict[str, Any]:
+    """One process's row: the first call, then the steady calls (on a rank, started together)."""
+    torch.set_num_threads(threads)
     kind, f, x, args = _problem(problem, atoms)
     if column in ("jax", "asdex") and problem != "lennard_jones":
         raise SystemExit(f"the {column} column has the Lennard-Jones problem only")
@@ -137,8 +154,10 @@ def _child(problem: str, column: str, atoms: int, repeats: int) -> dict[str, Any
     steady = []
     del result
     rss_before = _peak_reset()
+    sync = _barrier if _ranks(column) > 1 else (lambda: None)
     cpu_before, wall_before = _cpu_seconds(), time.perf_counter()
     for _ in range(repeats):
+        sync()  # the ranks start each call together: the slower one sets its time
         start = time.perf_counter()
         result = call()
         steady.append(time.perf_counter() - start)
@@ -153,21 +172,58 @@ def _child(problem: str, column: str, atoms: int, repeats: int) -> dict[str, Any
 
         c = dynbatch.counters()
         row["colours"] = c.get("colours", 0) // max(1, c.get("grads_compressed", 0)) or None
-    if column in ("dynbatch_sparse", "dynbatch_csr", "eager") and atoms <= DENSE_LIMIT[problem].get(
-            "dynbatch_dense", atoms):
+    if column in ("dynbatch_sparse", "dynbatch_csr", "dynbatch_csr_2ranks", "eager") and atoms <= DENSE_LIMIT[
+            problem].get("dynbatch_dense", atoms):
         import dynbatch
 
         dense = getattr(dynbatch, kind)(f, x, *args, sparse=False).reshape(-1, x.numel())
-        got = result.to_dense() if column == "dynbatch_csr" else result
+        got = result.to_dense() if result.layout == torch.sparse_csr else result
         row["max_diff_from_dense"] = float((got - dense).abs().max())
     return row
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _ranked_child(problem: str, column: str, atoms: int, repeats: int, threads: int) -> dict[str, Any]:
+    """The column on two gloo ranks, each pinned to ``threads`` cores of its own; rank 0's
+    row, its cores used summed over the ranks."""
+    import torch.multiprocessing as mp
+
+    ranks = _ranks(column)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < ranks * threads:
+        raise SystemExit(f"{column} needs {ranks * threads} cores, this process may use {len(cores)}")
+    with tempfile.TemporaryDirectory(prefix="dynbatch-ranks-") as d:
+        mp.spawn(_rank, args=(ranks, d, problem, column, atoms, repeats, threads, cores), nprocs=ranks)
+        rows = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(ranks)]
+    rows[0]["cores_used"] = sum(r["cores_used"] for r in rows)
+    rows[0]["steady_s"] = max(r["steady_s"] for r in rows)
+    return rows[0]
+
+
+def _rank(rank: int, ranks: int, d: str, problem: str, column: str, atoms: int, repeats: int, threads: int,
+          cores: list[int]) -> None:
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, cores[rank * threads:(rank + 1) * threads])
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "store"), rank=rank, world_size=ranks)
+    row = _measure(problem, column, atoms, repeats, threads)
+    with open(os.path.join(d, f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _run(problem: str, column: str, atoms: int, repeats: int, threads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dynbatch-sparse-") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads)}
         out = subprocess.run([sys.executable, "-m", "dynbatch.bench.sparse_hessian", "--child", problem, column,
-                              str(atoms), str(repeats)], env=env, capture_output=True, text=True, check=False)
+                              str(atoms), str(repeats), str(threads)], env=env, capture_output=True, text=True,
+                             check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
         return {"column": column, "atoms": atoms, "error": (out.stderr.strip().splitlines() or ["no output"])[-1]}
@@ -196,7 +252,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dynbatch-bench sparse_hessian", description=__doc__.splitlines()[0])
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--problem", choices=PROBLEMS, default="lennard_jones")
     parser.add_argument("--sizes", default="500,2000", help="comma list of atom counts (grid sides for poisson), "
                                                              "default %(default)s")
@@ -207,10 +263,10 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="draw steady time and peak memory growth against size into this PNG")
     args = parser.parse_args(argv)
     if args.child:
-        problem, column, atoms, repeats = args.child
-        print(json.dumps(_child(problem, column, int(atoms), int(repeats))))
+        problem, column, atoms, repeats, threads = args.child
+        print(json.dumps(_child(problem, column, int(atoms), int(repeats), int(threads))))
         return 0
-    pin_to_cores(args.threads)
+    pin_to_cores(args.threads * max(_ranks(c) for c in args.columns.split(",")))
     rows = []
     for atoms in (int(s) for s in args.sizes.split(",")):
         for column in args.columns.split(","):

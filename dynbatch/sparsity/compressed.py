@@ -59,6 +59,7 @@ class _Plan:
     n_rows: int
     n_cols: int
     out_shape: tuple[int, ...]  # the dense result's leading dims
+    no_rule: tuple[str, ...] = ()  # ops the pattern met without a rule (depending on everything)
 
     @property
     def flat(self) -> torch.Tensor:
@@ -118,6 +119,8 @@ def _derivative(kind, f, x, args, layout, sparse, options, process_group=None) -
     x = x.detach()
     plan = _plan(kind, f, x, args) if sparse is not False else None
     if plan is not None and sparse == "auto" and plan.colours * MARGIN > plan.n_cols:
+        log.info("dynbatch: %s of %s computed dense: %d colours for %d rows%s", kind, _name(f), plan.colours,
+                 plan.n_cols, f" (no sparsity rule for {', '.join(plan.no_rule)})" if plan.no_rule else "")
         plan = None
     if plan is None and sparse is True:
         log.warning("dynbatch: %s of %s computed dense: no usable pattern or colouring", kind, _name(f))
@@ -178,7 +181,7 @@ def _products(products_of, x, seeds, args, group) -> torch.Tensor:
 
 def _programs(f, options) -> dict[str, Callable]:
     # The products are batched grads over seeds: never compressed again (sparsity/rewrite.py).
-    options = {k: v for k, v in (options or {}).items() if k != "dynbatch.sparse"}
+    options = {**(options or {}), "dynbatch.sparse": False}
     key = tuple(sorted(options.items()))
     per_f = _PROGRAMS.setdefault(f, {}) if _weakrefable(f) else {}
     if key in per_f:
@@ -201,8 +204,10 @@ def _programs(f, options) -> dict[str, Callable]:
 
 
 def _weakrefable(f) -> bool:
+    """Whether ``f`` can key a WeakKeyDictionary (a dataclass with ``eq`` is unhashable)."""
     try:
         weakref.ref(f)
+        hash(f)
     except TypeError:
         return False
     return True
@@ -331,7 +336,7 @@ def _new_plan(kind, gm, args, f) -> _Plan | None:
     try:
         pattern = jacobian_pattern(gm, args, wrt=0)
         if kind == "hessian":
-            pattern = _symmetric_with_diagonal(pattern)
+            pattern = dataclasses.replace(_symmetric_with_diagonal(pattern), no_rule=pattern.no_rule)
             colour = colouring.star_colouring(pattern)
         else:
             colour = colouring.row_colouring(pattern)
@@ -359,7 +364,8 @@ def _new_plan(kind, gm, args, f) -> _Plan | None:
         return None
     colours = int(colour.max()) + 1 if colour.numel() else 1
     out_shape = tuple(args[0].shape) if kind == "hessian" else tuple(_output(gm, args).shape)
-    return _Plan(colour, colours, rows, cols, read_row, read_colour, pattern.crow, pattern.m, pattern.n, out_shape)
+    return _Plan(colour, colours, rows, cols, read_row, read_colour, pattern.crow, pattern.m, pattern.n, out_shape,
+                 pattern.no_rule)
 
 
 def _output(gm, args) -> torch.Tensor:

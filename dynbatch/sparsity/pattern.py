@@ -17,6 +17,7 @@ values decompressed from it are always exact.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ class Pattern:
     crow: torch.Tensor  # int64 [m + 1]
     col: torch.Tensor  # int64 [nnz], sorted and unique within each row
     n: int
+    no_rule: tuple[str, ...] = ()  # the ops met without a rule (jacobian_pattern's result only)
 
     @property
     def m(self) -> int:
@@ -175,6 +177,7 @@ class _Propagation(torch.fx.Interpreter):
         super().__init__(gm)
         self.wrt, self.n = wrt, n
         self.patterns: dict[torch.fx.Node, Any] = {}
+        self.no_rule: set[str] = set()
         self._placeholder = 0
         last_use: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in gm.graph.nodes:
@@ -244,6 +247,7 @@ class _Propagation(torch.fx.Interpreter):
 
     def _everything(self, n: torch.fx.Node, value: Any) -> Any:
         """No rule: every output element depends on all its inputs depend on."""
+        self.no_rule.add(str(n.target))
         cols = torch.unique(torch.cat([p.col for p in (self.patterns.get(a) for a in n.all_input_nodes)
                                        if isinstance(p, Pattern)] or [torch.zeros(0, dtype=torch.long)]))
 
@@ -417,4 +421,5 @@ def jacobian_pattern(gm: torch.fx.GraphModule, args: list[Any], wrt: int = 0) ->
     (value,) = tree_flatten(prop.run(*args))[0]
     output = next(iter(reversed(gm.graph.nodes)))
     (pattern,) = tree_flatten(prop.patterns[output], is_leaf=lambda p: p is None or isinstance(p, Pattern))[0]
-    return pattern if pattern is not None else Pattern.empty(value.numel(), n)
+    pattern = pattern if pattern is not None else Pattern.empty(value.numel(), n)
+    return dataclasses.replace(pattern, no_rule=tuple(sorted(prop.no_rule)))
