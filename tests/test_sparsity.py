@@ -313,19 +313,28 @@ def test_functional_jacobian_inside_a_compiled_function_by_colours():
     assert c["grads_compressed"] == 1 and c["colours"] <= 10 and c["rows"] == 144
 
 
-def test_other_seeds_take_the_batched_grad_uncompressed():
-    x, (i, j) = sp.lennard_jones_problem(27, cutoff=1.6)
-    seeds = torch.randn(5, 81, dtype=torch.float64)
+def _hessian_rows(x, i, j, v):
+    x = x.detach().requires_grad_()
+    g = torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0].reshape(-1)
+    return torch.autograd.grad(g, x, v, is_grads_batched=True)[0]
 
-    def rows(x, i, j, v):
-        x = x.detach().requires_grad_()
-        g = torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0].reshape(-1)
-        return torch.autograd.grad(g, x, v, is_grads_batched=True)[0]
 
-    got = torch.compile(rows, backend="dynbatch", fullgraph=True, options=SPARSE)(x, i, j, seeds)
-    want = torch.stack([rows(x, i, j, v[None])[0] for v in seeds])
+@pytest.mark.parametrize("sparse", [True, "auto"])
+def test_other_seeds_take_the_batched_grad_uncompressed(sparse):
+    """Random seeds (the README's batched VJP): with True the op runs them through its
+    batched grad uncompressed; "auto" leaves the grad in the graph and tries no colouring."""
+    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
+    seeds = torch.randn(7, 375, dtype=torch.float64)
+    got = torch.compile(_hessian_rows, backend="dynbatch", fullgraph=True,
+                        options={**AOT_EAGER, "dynbatch.sparse": sparse})(x, i, j, seeds)
+    want = torch.stack([_hessian_rows(x, i, j, v[None])[0] for v in seeds])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-10)
-    assert dynbatch.counters()["grads_structured"] == 1 and _counts()["grads_compressed"] == 0
+    c = dynbatch.counters()
+    assert "grads_compressed" not in c, c
+    if sparse is True:
+        assert c["grads_structured"] == 1, c
+    else:
+        assert "grads_structured" not in c and "sparse_traces" not in c and c["grads_batched"] == 1, c
 
 
 def _compiled_hessian(options):
@@ -416,22 +425,6 @@ def test_auto_compresses_maces_vmap_over_an_eye():
                                rtol=1e-12, atol=1e-10)
     c = _counts()
     assert c["grads_compressed"] == 1 and c["colours"] * 2 < c["rows"] == 375, c
-
-
-def test_auto_leaves_seeds_that_are_not_an_identity_batched():
-    """The README's batched VJP (random seeds): no colouring is tried."""
-    x, (i, j) = sp.lennard_jones_problem(125, cutoff=1.6)
-    seeds = torch.randn(7, 375, dtype=torch.float64)
-
-    def rows(x, i, j, v):
-        x = x.detach().requires_grad_()
-        g = torch.autograd.grad(sp.lennard_jones(x, i, j), x, create_graph=True)[0].reshape(-1)
-        return torch.autograd.grad(g, x, v, is_grads_batched=True)[0]
-
-    got = torch.compile(rows, backend="dynbatch", fullgraph=True, options=AOT_EAGER)(x, i, j, seeds)
-    torch.testing.assert_close(got, torch.stack([rows(x, i, j, v[None])[0] for v in seeds]), rtol=1e-12, atol=1e-10)
-    c = dynbatch.counters()
-    assert "grads_structured" not in c and "sparse_traces" not in c and c["grads_batched"] == 1, c
 
 
 def test_auto_decides_per_call_where_the_function_reads_what_the_graph_computes():
