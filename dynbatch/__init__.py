@@ -54,8 +54,11 @@ def compile_records() -> list[CompileRecord]:
 
 
 def reset() -> None:
-    """Clear counters, records and the sparse derivatives' plans (Dynamo's own caches are
-    torch._dynamo.reset())."""
+    """Clear counters, records and the sparse derivatives' plans, and stop the background
+    compiles' worker process (Dynamo's own caches are torch._dynamo.reset())."""
+    from .lowering import background
+
+    background.shutdown()
     STATS.reset()
     _compressed.clear_caches()
 

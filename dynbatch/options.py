@@ -19,6 +19,7 @@ ON_UNSUPPORTED = ("fallback", "error")
 # product to ATen; the others take that kernel wherever it applies (tests, comparisons).
 CPU_MATMUL = ("auto", "aten", "flipped", "onednn", "openblas", "avx2", "avx512")
 RECOMPUTE = ("auto", "always", "never")
+COMPILE = ("foreground", "background")
 KEEP_CPU_BUFFERS = (True, "large", False)
 SPARSE = ("auto", True, False)
 
@@ -64,6 +65,10 @@ class Options:
     # a warm process skips their trace.  Off by default: a grad taken outside a graph from
     # the cache recomputes its forward where the cold graph batches its saved activations.
     aot_cache: bool = False
+    # Where Inductor compiles a graph: "foreground" (its first call waits for the compile) or
+    # "background" (its first calls run eager kernels while a worker process compiles it;
+    # lowering/background.py, NOTE [Background compile]).
+    compile: str = "foreground"
     # Batched grads over an identity (functional.jacobian/hessian(vectorize=True)) computed
     # by colours at run time, one batched grad per colour (sparsity/rewrite.py, NOTE
     # [Identity grads by colours]): "auto" where the colours at the first call's values
@@ -94,6 +99,7 @@ class Options:
         _check_choice("on_unsupported", ours.get("on_unsupported", "fallback"), ON_UNSUPPORTED)
         _check_choice("cpu_matmul", ours.get("cpu_matmul", "auto"), CPU_MATMUL)
         _check_choice("recompute", ours.get("recompute", "auto"), RECOMPUTE)
+        _check_choice("compile", ours.get("compile", "foreground"), COMPILE)
         keep = ours.get("keep_cpu_buffers", True)
         if not (isinstance(keep, bool) or keep == "large"):
             raise ValueError(f"dynbatch: option {PREFIX}keep_cpu_buffers={ours['keep_cpu_buffers']!r}; "

@@ -1,6 +1,8 @@
 """Inductor: its config, compile entry points, lowerings, extern kernels and codegen helpers.
 Version shims: ``inductor_stride_at_module``, ``inductor_inline_limits``.  Every other name is
-private (no public API for it) and alike on 2.11-2.14 (2.11.0-2.14.1 sources)."""
+private (no public API for it) and alike on 2.11-2.14 (2.11.0-2.14.1 sources), but for the
+background compile's (Inductor's subprocess compile, read on 2.13.0 only: a release without one
+of them compiles in the foreground, ``inductor_subprocess_compile_missing``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from .functorch import outside_legacy_vmap
 
 
 __all__ = ["compile_fx", "inductor_compiled_graph_class", "compile_fx_inner", "custom_graph_pass_base", "inductor_cache_dir",
+           "inductor_compile_fx_module", "inductor_compile_in_child", "inductor_fx_graph_cache",
+           "inductor_graph_pickler_ops", "inductor_subprocess_compile_missing",
+           "inductor_out_of_process_compile", "inductor_subprocess_pool",
            "inductor_config_patches", "inductor_config_value", "inductor_empty_strided_cpu",
            "inductor_fallback", "inductor_inline_limits", "inductor_lowerings",
            "inductor_patterns_registered", "inductor_stride_at_module", "inductor_sympy_subs",
@@ -190,3 +195,93 @@ def inductor_compiled_graph_class() -> type:
     from torch._inductor.output_code import CompiledFxGraph
 
     return CompiledFxGraph
+
+
+# --- the background compile (lowering/background.py) ---------------------------------
+# Inductor's out-of-process compile (compile_fx_ext.py, compile_fx_subproc.py: what
+# TORCHINDUCTOR_FX_COMPILE_MODE=subprocess runs), private and experimental upstream; read on
+# 2.13.0.  A name missing on another release makes the background compile fall back to the
+# foreground one, logged (background.applies).
+
+
+def inductor_subprocess_compile_missing() -> str | None:
+    """What of the pieces below this torch lacks, or None (every one is there)."""
+    try:
+        from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+        from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool  # noqa: F401
+        from torch.fx._graph_pickler import GraphPickler, Options  # noqa: F401
+
+        inductor_compile_fx_module()
+        inductor_fx_graph_cache()._save_graph  # noqa: B018
+        for name in ("serialize_compile", "_postprocess", "_run_in_child_subprocess"):
+            getattr(_SubprocessFxCompile, name)
+        if "ops_filter" not in Options.__dataclass_fields__:
+            raise AttributeError("GraphPickler's Options has no ops_filter")
+    except (ImportError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def inductor_compile_fx_module() -> types.ModuleType:
+    """``torch._inductor.compile_fx``, whose ``_compile_fx_inner`` calls its module global
+    ``fx_codegen_and_compile`` on an FX-cache miss (the one compile of one aten graph)."""
+    from torch._inductor import compile_fx as module
+
+    if not callable(getattr(module, "fx_codegen_and_compile", None)):
+        raise AttributeError("torch._inductor.compile_fx has no fx_codegen_and_compile")
+    return module
+
+
+def inductor_out_of_process_compile() -> Any:
+    """Inductor's subprocess FxCompile: its ``serialize_compile(gm, example_inputs,
+    inputs_to_check, graph_kwargs)`` gives ``(pickled input, constants)`` or None (a graph it
+    cannot send), and ``_postprocess(output)`` replays the child's logs, warnings and metrics."""
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+
+    return _SubprocessFxCompile()
+
+
+def inductor_compile_in_child(pickled_input: Any, extra_env: dict) -> Any:
+    """In a worker process: Inductor's compile of a pickled input, its output pickled (what
+    ``_SubprocessFxCompile``'s pool runs), with the worker's Inductor caches cleared first."""
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+
+    return _SubprocessFxCompile._run_in_child_subprocess(pickled_input, extra_env)
+
+
+def inductor_subprocess_pool() -> Any:
+    """A pool of one spawned worker behind Inductor's sidecar process (``SubprocPool``:
+    ``submit(fn, *args)`` -> Future, ``shutdown()``), as ``_SubprocessFxCompile`` makes its own."""
+    from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+    return SubprocPool(1, kind=SubprocKind.SPAWN)
+
+
+def inductor_fx_graph_cache() -> type:
+    """Inductor's FX graph cache (``codecache.FxGraphCache``): ``_save_graph(key,
+    compiled_graph, ...)`` asserts a ``CompiledFxGraph``."""
+    from torch._inductor.codecache import FxGraphCache
+
+    return FxGraphCache
+
+
+@contextlib.contextmanager
+def inductor_graph_pickler_ops(prefixes: tuple[str, ...]) -> Iterator[None]:
+    """Inside the block, ``GraphPickler.dumps`` (torch.fx._graph_pickler: what Inductor's
+    subprocess compile pickles a graph and its output with) takes the ops whose names start
+    with ``prefixes``, where its default filter takes aten's alone and bypasses the rest."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    saved = GraphPickler.__dict__["dumps"]
+    dumps = saved.__func__
+
+    def dumps_with_ops(cls, obj, options=None):
+        if options is None:
+            options = Options(ops_filter=lambda name: name.startswith(prefixes))
+        return dumps(cls, obj, options)
+
+    GraphPickler.dumps = classmethod(dumps_with_ops)
+    try:
+        yield
+    finally:
+        GraphPickler.dumps = saved

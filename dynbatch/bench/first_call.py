@@ -7,6 +7,11 @@ the next MD run meets it.  The seconds cover ``torch.compile`` and the first ste
 (stock's ``torch.compile`` imports Inductor; dynbatch's imports it at the first call),
 split by phase from torch's compile timers (NOTE [Where a first call goes] in
 dynbatch/records.py); the ratio is to the stock column of the same start.
+
+A column with "+background" compiles with ``options={"dynbatch.compile": "background"}``
+(NOTE [Background compile] in dynbatch/lowering/background.py): its first call runs eager
+kernels, and the process then calls the step again, back to back, until Inductor's programs
+took over; ``handover`` gives those calls and the seconds from the first call's start.
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ from .. import records
 from . import training
 from .cli import pin_to_cores
 
-# A column with "+aot_cache" runs with options={"dynbatch.aot_cache": True}.
+# A column with "+aot_cache" runs with options={"dynbatch.aot_cache": True}, one with
+# "+background" with options={"dynbatch.compile": "background"} (not run by default:
+# --columns eager,dynbatch_step,dynbatch_step+background compares them).
 COLUMNS = ("stock_traced", "dynbatch_model_in", "dynbatch_model_in+aot_cache", "dynbatch_step",
            "dynbatch_step+aot_cache")
 STOCK = "stock_traced"  # stock as MACE's users set it up: the strongest peer
+EXTRAS = {"aot_cache": {"dynbatch.aot_cache": True}, "background": {"dynbatch.compile": "background"}}
+HANDOVER_TIMEOUT = 1800.0  # seconds a "+background" column waits for its compiled programs
 
 
 def _child(column: str, kind: str, atoms: int) -> dict[str, Any]:
@@ -42,10 +51,11 @@ def _child(column: str, kind: str, atoms: int) -> dict[str, Any]:
     start = time.perf_counter()
     with records.compile_span(frame=True, record=span_record):
         base, _, extra = column.partition("+")
-        options = {"dynbatch.aot_cache": True} if extra == "aot_cache" else None
-        runner = training.build(base, problem, torch.device("cpu"), options=options, name=column)
-        runner.call(*runner.prepare(case))
+        runner = training.build(base, problem, torch.device("cpu"), options=EXTRAS.get(extra), name=column)
+        args = runner.prepare(case)
+        runner.call(*args)
     seconds = time.perf_counter() - start
+    handover = _handover(runner, args, start) if extra == "background" else None
     # dynbatch's graphs keep their own spans' seconds (nested in this one): add them back.
     # Cache lookups count in every open span: this one has them all.
     phases = dict(span_record.seconds)
@@ -53,7 +63,27 @@ def _child(column: str, kind: str, atoms: int) -> dict[str, Any]:
         for k, v in r.seconds.items():
             phases[k] = phases.get(k, 0.0) + v
     return {"column": column, "seconds": seconds, "phases": phases, "caches": span_record.caches,
-            "dynbatch_graphs": dynbatch.counters().get("graphs", 0)}
+            "dynbatch_graphs": dynbatch.counters().get("graphs", 0), "handover": handover}
+
+
+def _handover(runner, args, start: float) -> dict[str, Any]:
+    """Steps after the first, back to back, until each program compiled in the background ran
+    its compiled code: {"calls": steps after the first, "seconds": since the first's start}."""
+    import dynbatch
+
+    calls = 0
+    while time.perf_counter() - start < HANDOVER_TIMEOUT:
+        before = dynbatch.counters()
+        runner.call(*args)
+        calls += 1
+        after = dynbatch.counters()
+        if after.get("background_compile_failures"):
+            raise RuntimeError(f"a background compile failed: {after}")
+        if (before.get("background_compiles_finished", 0) == before.get("background_compiles", 0)
+                and after.get("background_eager_calls", 0) == before.get("background_eager_calls", 0)):
+            return {"calls": calls, "seconds": time.perf_counter() - start,
+                    "programs": after.get("background_compiles", 0)}
+    raise RuntimeError(f"no handover in {HANDOVER_TIMEOUT} s: {dynbatch.counters()}")
 
 
 def _run(column: str, kind: str, atoms: int, cache: str, threads: int) -> dict[str, Any]:
@@ -67,7 +97,7 @@ def _run(column: str, kind: str, atoms: int, cache: str, threads: int) -> dict[s
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ["model", "column", "start", "seconds", f"/ {STOCK}", *records.PHASES, "caches"]
+    head = ["model", "column", "start", "seconds", f"/ {STOCK}", *records.PHASES, "caches", "handover"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     stock = {(r["model"], r["start"]): r.get("seconds") for r in rows if r["column"] == STOCK}
     for r in rows:
@@ -76,9 +106,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
             continue
         ratio = r["seconds"] / stock[(r["model"], r["start"])] if stock.get((r["model"], r["start"])) else None
         caches = ", ".join(f"{k} {v}" for k, v in sorted(r["caches"].items()) if v)
-        lines.append("| " + " | ".join([r["model"], r["column"], r["start"], f"{r['seconds']:.1f}",
+        handover = r.get("handover")
+        handover = f"{handover['calls']} steps, {handover['seconds']:.1f} s" if handover else "-"
+        seconds = f"{r['seconds']:.1f}" if r["seconds"] >= 0.1 else f"{r['seconds']:.3f}"  # eager's
+        lines.append("| " + " | ".join([r["model"], r["column"], r["start"], seconds,
                                         f"{ratio:.2f}" if ratio else "-",
-                                        *(f"{r['phases'].get(p, 0):.1f}" for p in records.PHASES), caches]) + " |")
+                                        *(f"{r['phases'].get(p, 0):.1f}" for p in records.PHASES), caches,
+                                        handover]) + " |")
     return "\n".join(lines)
 
 

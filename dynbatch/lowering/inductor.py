@@ -24,7 +24,7 @@ from .. import _compat, fail_soft, fx_utils, records
 from ..cpu import kept_buffers, matmul_kernels
 from ..batching import markers
 from ..planning import memory
-from . import aot_cache, aten_passes
+from . import aot_cache, aten_passes, background
 from ..graph_text import count_nodes, graph_text
 from ..options import Options
 from ..records import CompileRecord
@@ -49,12 +49,15 @@ def lower(
     planner = planner or memory.Planner(None, None)
     fx_utils.forget_cleared_sources(gm)
     cache = cache and options.inner_compiler == "inductor" and aot_cache.available()
+    # NOTE [Background compile] in lowering/background.py
+    in_background = options.compile == "background" and background.applies(options, record, planner, cache,
+                                                                            example_inputs)
     with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=cache),
           torch_internal_deprecations_hidden(),
           aot_cache.lowering(record, _buffers_kept(options)) if cache else contextlib.nullcontext(),
           markers.collecting() if planner.active else contextlib.nullcontext()):
         if options.inner_compiler == "inductor":
-            return _lower_with_inductor(gm, example_inputs, options, record, planner, cache)
+            return _lower_with_inductor(gm, example_inputs, options, record, planner, cache, in_background)
         return _lower_with_aot_eager(gm, example_inputs, options, record, planner)
 
 
@@ -214,7 +217,8 @@ def random_ops(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if fx_utils.draws_random_numbers(n)]
 
 
-def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord, planner, cache=False):
+def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRecord, planner, cache=False,
+                         in_background=False):
     inner = _compat.compile_fx_inner()
 
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
@@ -225,26 +229,19 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
 
     def inner_compile(aten_gm, aten_inputs, **kwargs):
         title = "aten backward" if kwargs.get("is_backward") else "aten forward"
-        _remember(aten_gm, record, title, options.record_graphs, planner, fused=True)
-        # Inductor's scheduler can read a scattered buffer before the scatter runs
-        # (inductor_scheduler_keeps_mutation_renames): never a wrong value.
-        with _compat.inductor_lowerings({**_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT,
-                                         **routed_matmul_lowerings}), \
-                fail_soft.soft("the fix of Inductor's fused reads of scattered buffers",
-                               inductor_scheduler_keeps_mutation_renames), \
-                fail_soft.soft("Inductor's strides without sympy's full simplify",
-                               inductor_strides_without_full_simplify), \
-                fail_soft.soft("Inductor's vector index ranges without sympy's full simplify",
-                               inductor_vec_range_without_full_simplify):
-            compiled = inner(aten_gm, aten_inputs, **kwargs)
+        # A background program runs eager (unfused) kernels first: its plan is theirs, the larger.
+        _remember(aten_gm, record, title, options.record_graphs, planner, fused=not in_background)
         keep = _buffers_kept(options)
-        if keep is not None:
-            keep(compiled)
+        with inductor_patched(cpu_matmul), \
+                (background.compiled_in_worker(cpu_matmul, options.recompute, keep) if in_background
+                 else contextlib.nullcontext()):
+            compiled = inner(aten_gm, aten_inputs, **kwargs)
+        if keep is not None and not background.is_background_program(compiled):
+            keep(compiled)  # a background program keeps them when its compiled code arrives
         return compiled
 
     inductor_patterns_registered_outside_transforms(example_inputs)
     cpu_matmul = _cpu_matmul(options)
-    routed_matmul_lowerings = matmul_kernels.lowerings() if cpu_matmul != "aten" else {}
     config_patches = dict(options.inductor_config)
     # After vmap, elementwise derivative factors are computed on expanded (B-fold)
     # copies of the primal: compute them once (aten_passes.sink_expands); scatters into
@@ -261,6 +258,8 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
     # (NOTE [Copies Inductor inlines]): patched here, so the raise ends with this compile.
     for name in ("realize_opcount_threshold", "realize_acc_reads_threshold"):
         config_patches.setdefault(name, _compat.inductor_config_value(name))
+    if in_background:
+        config_patches.update(background.config_patches())
     if cache:
         # Forces inside a graph are a torch.autograd.grad node, which AOTAutograd's cache
         # does not know to be safe: it is torch's own, so torch's version keys it.
@@ -273,6 +272,24 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
         inner_compile=recording_inner_compile,
         config_patches=config_patches,
     )
+
+
+@contextlib.contextmanager
+def inductor_patched(cpu_matmul: str) -> Iterator[None]:
+    """dynbatch's patches of Inductor for one aten graph's lowering (in this process, or in
+    the background compile's worker: lowering/background.py)."""
+    routed_matmul_lowerings = matmul_kernels.lowerings() if cpu_matmul != "aten" else {}
+    # Inductor's scheduler can read a scattered buffer before the scatter runs
+    # (inductor_scheduler_keeps_mutation_renames): never a wrong value.
+    with _compat.inductor_lowerings({**_CONVOLUTIONS_AS_EXTERN_WHEN_B_SIZES_THE_WEIGHT,
+                                     **routed_matmul_lowerings}), \
+            fail_soft.soft("the fix of Inductor's fused reads of scattered buffers",
+                           inductor_scheduler_keeps_mutation_renames), \
+            fail_soft.soft("Inductor's strides without sympy's full simplify",
+                           inductor_strides_without_full_simplify), \
+            fail_soft.soft("Inductor's vector index ranges without sympy's full simplify",
+                           inductor_vec_range_without_full_simplify):
+        yield
 
 
 def inductor_patterns_registered_outside_transforms(example_inputs: Any) -> None:
