@@ -137,6 +137,7 @@ def _jax_column(column: str, kind, f, pos, args):
 def _child(problem: str, column: str, atoms: int, repeats: int, threads: int = 1) -> dict[str, Any]:
     if _ranks(column) > 1:
         return _ranked_child(problem, column, atoms, repeats, threads)
+    pin_to_cores(threads)  # the parent holds cores for the ranked columns: one column, its cores
     return _measure(problem, column, atoms, repeats, threads)
 
 
