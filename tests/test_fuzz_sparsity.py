@@ -121,6 +121,7 @@ def _fuzz(examples=EXAMPLES):
 def test_compressed_hessian_equals_eager_and_dense(problem):
     f, x, args = problem
     dynbatch.reset()
+    torch._dynamo.reset()  # a new function each example: its programs start afresh
     want = AF.hessian(lambda t: f.energy(t, *args), x)
     got = dynbatch.hessian(f.energy, x, *args, sparse=True, options=AOT_EAGER)
     # Entries summed in another order than eager's: round-off relative to the largest entry.
@@ -137,6 +138,7 @@ def test_compressed_hessian_equals_eager_and_dense(problem):
 def test_compressed_jacobian_equals_eager_and_dense(problem):
     f, x, args = problem
     dynbatch.reset()
+    torch._dynamo.reset()  # a new function each example: its programs start afresh
     want = AF.jacobian(lambda t: f(t, *args), x)
     got = dynbatch.jacobian(f, x, *args, sparse=True, options=AOT_EAGER)
     atol = 1e-9 * max(1.0, float(want.abs().max()))
@@ -152,6 +154,7 @@ def test_compressed_jacobian_equals_eager_and_dense(problem):
 def test_a_step_without_a_rule_goes_dense_logged(problem, caplog):
     f, x, args = problem
     dynbatch.reset()
+    torch._dynamo.reset()  # a new function each example: its programs start afresh
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dynbatch"):
         got = dynbatch.hessian(f.energy, x, *args, options=AOT_EAGER)  # sparse="auto"
