@@ -211,7 +211,7 @@ def test_reset_lets_the_compile_in_progress_finish_then_stops_the_worker(tmp_pat
     assert _counts()["background_compiles_finished"] == 0
     background.shutdown()  # what dynbatch.reset() does, without clearing the counters
     assert background._WORKER.pid() is None
-    _assert_no_worker_left(before, timeout=5.0)
+    _assert_no_worker_left(before)  # processes exit within seconds; a loaded machine takes longer
     assert _counts()["background_compiles_finished"] == _counts()["background_compiles"] == 1
     assert not list((tmp_path / "inductor").rglob("*CxxBuild")), "a C++ build was cut short"
     assert_same_grads(compiled(x, V), vjp_rows(x, V))
