@@ -116,50 +116,55 @@ def _fuzz(examples=EXAMPLES):
                     suppress_health_check=list(HealthCheck))
 
 
+def _fresh() -> None:
+    """Each example's function is new: counters, plans and its programs start afresh (its
+    programs would share one code object's Dynamo cache and recompile past its limit)."""
+    dynbatch.reset()
+    torch._dynamo.reset()
+
+
+def _assert_close(got, want, steps) -> None:
+    # Entries summed in another order than eager's: round-off relative to the largest entry.
+    atol = 1e-9 * max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=atol, msg=lambda m: f"{steps}: {m}")
+
+
 @_fuzz()
 @given(sparse_problems())
 def test_compressed_hessian_equals_eager_and_dense(problem):
     f, x, args = problem
-    dynbatch.reset()
-    torch._dynamo.reset()  # a new function each example: its programs start afresh
+    _fresh()
     want = AF.hessian(lambda t: f.energy(t, *args), x)
     got = dynbatch.hessian(f.energy, x, *args, sparse=True, options=AOT_EAGER)
-    # Entries summed in another order than eager's: round-off relative to the largest entry.
-    atol = 1e-9 * max(1.0, float(want.abs().max()))
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=atol, msg=lambda m: f"{f.steps}: {m}")
+    _assert_close(got, want, f.steps)
     c = dynbatch.counters()
     assert c["grads_compressed"] == 1 and c["rows"] == x.numel() and 0 < c["colours"] <= x.numel(), (f.steps, c)
-    dense = dynbatch.hessian(f.energy, x, *args, sparse=False, options=AOT_EAGER)
-    torch.testing.assert_close(got, dense, rtol=1e-9, atol=atol)
+    _assert_close(got, dynbatch.hessian(f.energy, x, *args, sparse=False, options=AOT_EAGER), f.steps)
 
 
 @_fuzz()
 @given(sparse_problems())
 def test_compressed_jacobian_equals_eager_and_dense(problem):
     f, x, args = problem
-    dynbatch.reset()
-    torch._dynamo.reset()  # a new function each example: its programs start afresh
+    _fresh()
     want = AF.jacobian(lambda t: f(t, *args), x)
     got = dynbatch.jacobian(f, x, *args, sparse=True, options=AOT_EAGER)
-    atol = 1e-9 * max(1.0, float(want.abs().max()))
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=atol, msg=lambda m: f"{f.steps}: {m}")
+    _assert_close(got, want, f.steps)
     c = dynbatch.counters()
     assert c["grads_compressed"] == 1 and 0 < c["colours"] <= x.numel(), (f.steps, c)
     csr = dynbatch.jacobian(f, x, *args, sparse=True, layout=torch.sparse_csr, options=AOT_EAGER)
-    torch.testing.assert_close(csr.to_dense(), want.reshape(x.numel(), x.numel()), rtol=1e-9, atol=atol)
+    _assert_close(csr.to_dense(), want.reshape(x.numel(), x.numel()), f.steps)
 
 
 @_fuzz(max(EXAMPLES // 3, 2))
 @given(problem=sparse_problems(dense_step=True))
 def test_a_step_without_a_rule_goes_dense_logged(problem, caplog):
     f, x, args = problem
-    dynbatch.reset()
-    torch._dynamo.reset()  # a new function each example: its programs start afresh
+    _fresh()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dynbatch"):
         got = dynbatch.hessian(f.energy, x, *args, options=AOT_EAGER)  # sparse="auto"
-    want = AF.hessian(lambda t: f.energy(t, *args), x)
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * max(1.0, float(want.abs().max())))
+    _assert_close(got, AF.hessian(lambda t: f.energy(t, *args), x), f.steps)
     c = dynbatch.counters()
     if "solve" in f.steps:  # every atom then depends on every other: dense, and the log says why
         assert c.get("grads_dense_rows") == 1 and "grads_compressed" not in c, (f.steps, c)
