@@ -65,6 +65,6 @@ def test_the_benchs_two_rank_column_gives_the_dense_hessian():
     from dynbatch.bench import sparse_hessian
 
     if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("the two-rank column needs two cores")
+        pytest.skip(reason="the two-rank column needs two cores")
     row = sparse_hessian._child("lennard_jones", "dynbatch_csr_2ranks", 27, 2, 1)
     assert row["column"] == "dynbatch_csr_2ranks" and row["colours"] and row["max_diff_from_dense"] < 1e-10, row
