@@ -200,7 +200,10 @@ def _ranked_child(problem: str, column: str, atoms: int, repeats: int, threads: 
         raise SystemExit(f"{column} needs {ranks * threads} cores, this process may use {len(cores)}")
     with tempfile.TemporaryDirectory(prefix="dynbatch-ranks-") as d:
         mp.spawn(_rank, args=(ranks, d, problem, column, atoms, repeats, threads, cores), nprocs=ranks)
-        rows = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(ranks)]
+        rows = []
+        for r in range(ranks):
+            with open(os.path.join(d, f"rank{r}.json")) as f:
+                rows.append(json.load(f))
     rows[0]["cores_used"] = sum(r["cores_used"] for r in rows)
     rows[0]["steady_s"] = max(r["steady_s"] for r in rows)
     return rows[0]
