@@ -139,11 +139,15 @@ def test_a_batched_vjp_runs_eager_kernels_until_inductor_takes_over():
 # --- a force-training step ------------------------------------------------------------
 
 class ForcesModel(torch.nn.Module):
-    """Energy of a few atoms (an MLP of pair distances) and its forces, create_graph=True."""
+    """Energy of a few atoms (an MLP of pair distances) and its forces, create_graph=True.
+    The MLP is traced by ``torch.fx``, as MACE's compile helper simplifies e3nn's modules:
+    its class, local to ``GraphModule.__new__``, rides in the backward graph's metadata, which
+    Inductor's pickler refused (every graph compiled in the foreground)."""
 
     def __init__(self):
         super().__init__()
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.mlp = torch.fx.symbolic_trace(
+            torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
 
     def forward(self, pos):
         pos.requires_grad_(True)  # the MACE / NequIP idiom

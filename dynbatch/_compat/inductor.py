@@ -265,11 +265,20 @@ def inductor_fx_graph_cache() -> type:
     return FxGraphCache
 
 
+def _picklable_meta(key: str) -> bool:
+    """GraphPickler's default metadata filter drops the module and source stacks, which hold
+    classes, but not a backward node's ``fwd_nn_module_stack`` (2.11-2.14): a module made by
+    ``torch.fx.symbolic_trace`` is of a class local to ``GraphModule.__new__``, which pickle
+    refuses (MACE's e3nn modules, simplified by fx, compiled in the foreground)."""
+    return not key.endswith(("nn_module_stack", "source_fn_stack"))
+
+
 @contextlib.contextmanager
 def inductor_graph_pickler_ops(prefixes: tuple[str, ...]) -> Iterator[None]:
     """Inside the block, ``GraphPickler.dumps`` (torch.fx._graph_pickler: what Inductor's
     subprocess compile pickles a graph and its output with) takes the ops whose names start
-    with ``prefixes``, where its default filter takes aten's alone and bypasses the rest."""
+    with ``prefixes``, where its default filter takes aten's alone and bypasses the rest,
+    and leaves out every stack of modules (``_picklable_meta``)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     saved = GraphPickler.__dict__["dumps"]
@@ -277,7 +286,8 @@ def inductor_graph_pickler_ops(prefixes: tuple[str, ...]) -> Iterator[None]:
 
     def dumps_with_ops(cls, obj, options=None):
         if options is None:
-            options = Options(ops_filter=lambda name: name.startswith(prefixes))
+            options = Options(ops_filter=lambda name: name.startswith(prefixes),
+                              node_metadata_key_filter=_picklable_meta)
         return dumps(cls, obj, options)
 
     GraphPickler.dumps = classmethod(dumps_with_ops)
