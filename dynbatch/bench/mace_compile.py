@@ -3,12 +3,20 @@ calls through ``torch.compile(model, backend="dynbatch")``, and the seconds ``gc
 
     OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) taskset -c 1 \\
         python -m dynbatch.bench mace_compile hessian [--without-vec-range-hook]
+    python -m dynbatch.bench mace_compile training_step --other-batch [--sizes marked] [--background]
 
 With mace-torch installed (``pip install -e '.[models]'``).  ``hessian``,
 ``inference_forces`` or ``training_step``: the ``mace`` workload's calls
 (mace_workload.py, its quick batch).  An empty kernel cache makes the first call the
 whole compile; ``gcc`` compiles each of Inductor's C++ kernels in it, and the seconds it
-took are printed too.
+took are printed too.  ``--other-batch`` then calls it on a batch of other molecules (the
+``cpu`` tier's: other atom, edge and graph counts) and compares that first call with eager's:
+a second batch as MD over a dataset meets it.  ``--sizes`` sets how the compile sees the
+batch's sizes: ``static`` (torch.compile's default: static first, then Dynamo recompiles
+with the sizes that changed dynamic), ``marked`` (each tensor's atom, edge or graph count
+marked dynamic before the first call, ``mark_batch_dynamic``) or ``dynamic``
+(``torch.compile(dynamic=True)``); ``--background`` compiles with
+``options={"dynbatch.compile": "background"}``.
 
 ``--without-vec-range-hook`` compiles with Inductor's ``simplify_index_in_vec_range`` as it
 is (``dynbatch.lowering.inductor.inductor_vec_range_without_full_simplify`` off), for an
@@ -38,6 +46,12 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("call", choices=("hessian", "inference_forces", "training_step"))
     parser.add_argument("--without-vec-range-hook", action="store_true",
                         help="compile with Inductor's simplify_index_in_vec_range as it is")
+    parser.add_argument("--other-batch", action="store_true",
+                        help="then the first call on a batch of other molecules, checked against eager")
+    parser.add_argument("--sizes", choices=("static", "marked", "dynamic"), default="static",
+                        help="the batch's sizes static (default), marked dynamic, or torch.compile(dynamic=True)")
+    parser.add_argument("--background", action="store_true",
+                        help='options={"dynbatch.compile": "background"}')
     return parser.parse_args(argv)
 
 
@@ -55,14 +69,35 @@ def main(argv=None) -> int:
         model = problem.make_model()
     except VariantUnavailable as e:
         raise SystemExit(f"dynbatch-bench mace_compile: {e}") from None
-    program = mace_workload._program(args.call, model, torch.compile(with_own_forward(model), backend="dynbatch"))
+    options = {"dynbatch.compile": "background"} if args.background else None
+    compiled = torch.compile(with_own_forward(model), backend="dynbatch", options=options,
+                             dynamic=True if args.sizes == "dynamic" else None)
+    run = (lambda batch, **kwargs: compiled(mark_batch_dynamic(batch), **kwargs)) if args.sizes == "marked" \
+        else compiled
+    program = mace_workload._program(args.call, model, run)
+    calls = [("first", case), ("second", case)]
+    if args.other_batch:
+        (other,) = next(p for p in mace_workload.mace("cpu", torch.device("cpu")) if p.call == args.call).cases
+        calls.append((f"other batch's first ({other.label})", other))
     with _gcc_timed() as gcc:
-        for name in ("first", "second"):
+        for name, at in calls:
             start = time.perf_counter()
-            program(case.batch, case.e_ref, case.f_ref)
-            print(f"{args.call} {name} call: {time.perf_counter() - start:.4g} s")
+            got = program(at.batch, at.e_ref, at.f_ref)
+            seconds = time.perf_counter() - start
+            error = (got - mace_workload._program(args.call, model, model)(at.batch, at.e_ref, at.f_ref)).abs().max()
+            print(f"{args.call} {name} call: {seconds:.4g} s (max difference from eager {error:.2g})")
     print(f"gcc: {gcc['seconds']:.1f} s over {gcc['compiles']} compiles; dynbatch counters {dynbatch.counters()}")
     return 0
+
+
+def mark_batch_dynamic(batch: dict) -> dict:
+    """The batch with each tensor's count of atoms, edges or graphs (dim 0; ``edge_index``'s
+    dim 1) marked dynamic: the first compile takes them symbolic, and a batch of other sizes
+    compiles nothing new.  ``maybe_``: a size the model fixes stays static, unasked."""
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim():
+            torch._dynamo.maybe_mark_dynamic(value, 1 if key == "edge_index" else 0)
+    return batch
 
 
 @contextlib.contextmanager
