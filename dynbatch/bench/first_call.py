@@ -47,23 +47,41 @@ def _child(column: str, kind: str, atoms: int) -> dict[str, Any]:
 
     (problem,) = [p for p in training.force_training("cpu", torch.device("cpu"), [atoms]) if p.kind == kind]
     case = problem.cases[0]
+    base, _, extra = column.partition("+")
+    built = {}
+
+    def first_call():
+        runner = built["runner"] = training.build(base, problem, torch.device("cpu"), options=EXTRAS.get(extra),
+                                                  name=column)
+        args = built["args"] = runner.prepare(case)
+        runner.call(*args)
+
+    start = time.perf_counter()
+    seconds, phases, caches = timed_by_phase(first_call)
+    handover = _handover(built["runner"], built["args"], start) if extra == "background" else None
+    return {"column": column, "seconds": seconds, "phases": phases, "caches": caches,
+            "dynbatch_graphs": dynbatch.counters().get("graphs", 0), "handover": handover}
+
+
+def timed_by_phase(call) -> tuple[float, dict[str, float], dict[str, int]]:
+    """``call()``'s seconds, the seconds of each compile phase in it (records.PHASES), and
+    the cache lookups it made."""
+    import dynbatch
+
     span_record = records.CompileRecord()
+    before = {id(r) for r in dynbatch.compile_records()}
     start = time.perf_counter()
     with records.compile_span(frame=True, record=span_record):
-        base, _, extra = column.partition("+")
-        runner = training.build(base, problem, torch.device("cpu"), options=EXTRAS.get(extra), name=column)
-        args = runner.prepare(case)
-        runner.call(*args)
+        call()
     seconds = time.perf_counter() - start
-    handover = _handover(runner, args, start) if extra == "background" else None
     # dynbatch's graphs keep their own spans' seconds (nested in this one): add them back.
     # Cache lookups count in every open span: this one has them all.
     phases = dict(span_record.seconds)
     for r in dynbatch.compile_records():
-        for k, v in r.seconds.items():
-            phases[k] = phases.get(k, 0.0) + v
-    return {"column": column, "seconds": seconds, "phases": phases, "caches": span_record.caches,
-            "dynbatch_graphs": dynbatch.counters().get("graphs", 0), "handover": handover}
+        if id(r) not in before:
+            for k, v in r.seconds.items():
+                phases[k] = phases.get(k, 0.0) + v
+    return seconds, phases, span_record.caches
 
 
 def _handover(runner, args, start: float) -> dict[str, Any]:

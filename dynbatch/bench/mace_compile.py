@@ -35,7 +35,9 @@ import torch
 
 import dynbatch
 
+from .. import records
 from . import mace_workload
+from .first_call import timed_by_phase
 from .variants import VariantUnavailable, with_own_forward
 
 
@@ -81,11 +83,12 @@ def main(argv=None) -> int:
         calls.append((f"other batch's first ({other.label})", other))
     with _gcc_timed() as gcc:
         for name, at in calls:
-            start = time.perf_counter()
-            got = program(at.batch, at.e_ref, at.f_ref)
-            seconds = time.perf_counter() - start
-            error = (got - mace_workload._program(args.call, model, model)(at.batch, at.e_ref, at.f_ref)).abs().max()
-            print(f"{args.call} {name} call: {seconds:.4g} s (max difference from eager {error:.2g})")
+            got = []
+            seconds, phases, _ = timed_by_phase(lambda: got.append(program(at.batch, at.e_ref, at.f_ref)))
+            error = (got[0] - mace_workload._program(args.call, model, model)(at.batch, at.e_ref, at.f_ref)).abs().max()
+            split = ", ".join(f"{p} {phases[p]:.1f}" for p in records.PHASES if phases.get(p))
+            print(f"{args.call} {name} call: {seconds:.4g} s (max difference from eager {error:.2g})"
+                  + (f"; {split}" if split else ""))
     print(f"gcc: {gcc['seconds']:.1f} s over {gcc['compiles']} compiles; dynbatch counters {dynbatch.counters()}")
     return 0
 
