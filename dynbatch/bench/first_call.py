@@ -58,9 +58,9 @@ def _child(column: str, kind: str, atoms: int) -> dict[str, Any]:
 
     start = time.perf_counter()
     seconds, phases, caches = timed_by_phase(first_call)
-    handover = _handover(built["runner"], built["args"], start) if extra == "background" else None
+    done = handover(built["runner"], built["args"], start) if extra == "background" else None
     return {"column": column, "seconds": seconds, "phases": phases, "caches": caches,
-            "dynbatch_graphs": dynbatch.counters().get("graphs", 0), "handover": handover}
+            "dynbatch_graphs": dynbatch.counters().get("graphs", 0), "handover": done}
 
 
 def timed_by_phase(call) -> tuple[float, dict[str, float], dict[str, int]]:
@@ -84,7 +84,7 @@ def timed_by_phase(call) -> tuple[float, dict[str, float], dict[str, int]]:
     return seconds, phases, span_record.caches
 
 
-def _handover(runner, args, start: float) -> dict[str, Any]:
+def handover(runner, args, start: float) -> dict[str, Any]:
     """Steps after the first, back to back, until each program compiled in the background ran
     its compiled code: {"calls": steps after the first, "seconds": since the first's start}."""
     import dynbatch
@@ -124,13 +124,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
             continue
         ratio = r["seconds"] / stock[(r["model"], r["start"])] if stock.get((r["model"], r["start"])) else None
         caches = ", ".join(f"{k} {v}" for k, v in sorted(r["caches"].items()) if v)
-        handover = r.get("handover")
-        handover = f"{handover['calls']} steps, {handover['seconds']:.1f} s" if handover else "-"
+        took_over = r.get("handover")
+        took_over = f"{took_over['calls']} steps, {took_over['seconds']:.1f} s" if took_over else "-"
         seconds = f"{r['seconds']:.1f}" if r["seconds"] >= 0.1 else f"{r['seconds']:.3f}"  # eager's
         lines.append("| " + " | ".join([r["model"], r["column"], r["start"], seconds,
                                         f"{ratio:.2f}" if ratio else "-",
                                         *(f"{r['phases'].get(p, 0):.1f}" for p in records.PHASES), caches,
-                                        handover]) + " |")
+                                        took_over]) + " |")
     return "\n".join(lines)
 
 
