@@ -419,3 +419,55 @@ def test_zero_tangent_kernels_match_atens(dtype):
             continue
         assert (g.dtype, g.shape, g.device, g._is_zerotensor()) == (w.dtype, w.shape, w.device, w._is_zerotensor()), k
         torch.testing.assert_close(g, w, equal_nan=True, msg=f"op {k}")
+
+
+# --- a second batch with other atom and edge counts (usage.md, "The first call") --------
+
+class EdgeForces(torch.nn.Module):
+    """An energy summed over an edge list and its forces (create_graph=True), as a force
+    field's forward takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(1, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, pos, src, dst):
+        pos.requires_grad_(True)
+        r = (pos[src] - pos[dst]).norm(dim=-1, keepdim=True)
+        per_edge = self.lin2(torch.tanh(self.lin1(r)))
+        energy = torch.zeros(pos.shape[0], 1, dtype=pos.dtype).index_add(0, dst, per_edge).sum()
+        forces = -grad(energy, pos, create_graph=True)[0]
+        return energy, forces
+
+
+def _edge_batch(atoms: int, edges: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, atoms, (edges,), generator=gen)
+    dst = (src + torch.randint(1, atoms, (edges,), generator=gen)) % atoms  # no self-edge: r > 0
+    return torch.randn(atoms, 3, dtype=torch.float64, generator=gen), src, dst
+
+
+def test_atom_and_edge_counts_marked_dynamic_compile_one_graph_for_every_batch():
+    """The recipe of usage.md's "A second batch": with the atom and edge counts marked
+    dynamic before the first call, batches of other sizes compile nothing new, and the
+    training step's values and parameter grads are eager's.  ``mark_dynamic`` (not
+    ``maybe_``): a size that dynbatch's passes specialised would raise here."""
+    torch.manual_seed(0)
+    eager = EdgeForces().double()
+    model = EdgeForces().double()
+    model.load_state_dict(eager.state_dict())
+    compiled = compile_dynbatch(model)
+
+    def step(m, pos, src, dst):
+        for p in m.parameters():
+            p.grad = None
+        energy, forces = m(pos, src, dst)
+        ((energy - 1.0) ** 2 + (forces ** 2).mean()).backward()
+        return (energy.detach(), forces.detach(), *(p.grad for p in m.parameters()))
+
+    for atoms, edges, seed in ((6, 14, 1), (9, 23, 2), (5, 7, 3)):
+        pos, src, dst = _edge_batch(atoms, edges, seed)
+        for t in (pos, src, dst):
+            torch._dynamo.mark_dynamic(t, 0)
+        assert_same_grads(step(compiled, pos, src, dst), step(eager, pos.clone(), src, dst))
+    assert dynbatch.counters()["graphs"] == 1 and unique_graphs() == 1, dynbatch.counters()
