@@ -62,8 +62,8 @@ class Options:
     keep_cpu_buffers: bool | str = True
     # Load graphs without a batched grad from AOTAutograd's cache, with the record each miss
     # wrote beside its entry (lowering/aot_cache.py, NOTE [What a cache hit must not lose]):
-    # a warm process skips their trace.  Off by default: a grad taken outside a graph from
-    # the cache recomputes its forward where the cold graph batches its saved activations.
+    # a warm process skips their trace.  Off by default: with it, compile="background"
+    # compiles in the foreground.
     aot_cache: bool = False
     # Where Inductor compiles a graph: "foreground" (its first call waits for the compile) or
     # "background" (its first calls run eager kernels while a worker process compiles it;

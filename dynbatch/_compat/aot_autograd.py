@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 
-__all__ = ["aot_autograd_cache", "aot_serializes_backward_graphs_with", "record_cache_artifact", "register_cache_artifact", "GRAD_NODE_META", "aot_autograd", "aot_backward_graph", "aot_config_patch",
+__all__ = ["aot_autograd_cache", "aot_cached_backward", "aot_serializes_backward_graphs_with", "record_cache_artifact", "register_cache_artifact", "GRAD_NODE_META", "aot_autograd", "aot_backward_graph", "aot_config_patch",
            "aot_mutated_inputs", "aot_mutates_differentiable_input",
            "aot_records_no_donated_buffers", "aot_saved_for_backward", "current_grad_node_name",
            "make_boxed_func"]
@@ -57,6 +57,14 @@ def aot_mutates_differentiable_input() -> bool:
     if infos is None:
         return True
     return any(i.requires_grad and (i.mutates_data or i.mutates_metadata) for i in infos)
+
+
+def aot_cached_backward(forward_cls: type) -> Any:
+    """On a class loaded from AOTAutograd's cache: the object its lazy backward is deserialized
+    from (``SerializedGraphModule``, whose ``deserialize`` the class's
+    ``CachedAutogradLazyBackwardCompileInfo.bw_module_fn`` is, 2.11-2.14); else None."""
+    info = getattr(forward_cls, "_lazy_backward_info", None)
+    return getattr(getattr(info, "bw_module_fn", None), "__self__", None)
 
 
 def aot_backward_graph(forward_cls: type) -> Any:

@@ -17,12 +17,11 @@ the whole story: Inductor lowers the graph, and it holds no batched grad (a batc
 graph and not kept; those graphs, chunk programs and the saved-activations programs
 trace as before).  Inductor's own cache of the compiled kernels applies to all.
 A hit also loads the compiled programs without the inner compiler that keeps their
-large CPU buffers (NOTE [Reused CPU buffers]): ``loaded`` does that for it.  And a
-hit's backward graph comes serialized, without its trace's sizes and with its constants
-real: a grad taken outside a graph from the cache recomputes its forward (compiled, B
-symbolic) where the cold graph batches its saved activations (region/saved_backward.py),
-which is why the option is off by default.  A miss keeps its graph's meta
-(``_meta_kept``): saving an entry strips it in place.
+large CPU buffers (NOTE [Reused CPU buffers]): ``loaded`` does that for it.  A grad taken
+outside a graph from the cache batches its saved activations from the backward graph its
+entry kept (NOTE [The backward graph of a hit]).  A miss keeps its graph's meta
+(``_meta_kept``): saving an entry strips it in place.  The option is off by default: with
+it a background compile (lowering/background.py) compiles in the foreground.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ import logging
 import os
 import threading
 from typing import Any, Callable, Iterator
+
+import torch
 
 from .. import _compat, fail_soft
 from ..records import CompileRecord
@@ -137,14 +138,74 @@ def _install_hooks() -> None:
 def _meta_kept(serialize: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def serialize_keeping_meta(gm: Any) -> Any:
         kept = (gm.meta, [(node, node.meta) for node in gm.graph.nodes])
+        portable = _portable(gm)
         try:
-            return serialize(gm)  # what it pickles is taken now, without the meta
+            serialized = serialize(gm)  # what it pickles is taken now, without the meta
         finally:
             gm.meta = kept[0]
             for node, meta in kept[1]:
                 node.meta = meta
+        if portable is not None:
+            serialized._dynbatch_backward = portable  # pickled with the entry, mega-cache included
+        return serialized
 
     return serialize_keeping_meta
+
+
+# --- the backward graph a hit brings ---------------------------------------------
+# NOTE [The backward graph of a hit]
+# A grad taken outside a compiled graph batches AOTAutograd's backward graph over its saved
+# activations (region/saved_backward.py).  A hit's own copy of that graph is rebuilt from
+# its Python code, which differs from the traced graph (57 nodes against 36 for a slicing
+# energy; its batched program failed to lower) and has lost which sizes were symbolic.  So
+# each miss pickles the traced graph as it is (GraphPickler, node by node, no meta) with
+# the symbolic dims of its placeholders, on the object the entry keeps for the lazy
+# backward; a hit's saved-activations path reads that (``backward_graph``) and lowers the
+# same program as the cold process.  An entry without it recomputes, as before.
+
+SYMBOLIC_DIMS = "dynbatch_symbolic_dims"  # placeholder meta of a graph a hit brought back
+
+
+def _portable(gm: Any) -> tuple[bytes, list] | None:
+    """The traced backward graph, pickled node by node without meta, and per placeholder
+    which of its sizes were symbolic; None where it cannot be pickled (logged)."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    symbolic = [symbolic_dims(node.meta.get("val")) for node in gm.graph.find_nodes(op="placeholder")]
+    copy = torch.fx.GraphModule(gm, gm.graph)  # the graph and attributes, not the module's meta
+    copy.meta = {}
+    try:
+        data = GraphPickler.dumps(copy, Options(ops_filter=None, node_metadata_key_filter=lambda key: False))
+    except Exception as e:  # noqa: BLE001 - a hit of this entry recomputes its outside grads
+        log.debug("dynbatch: a backward graph is not kept with its cache entry: %s: %s", type(e).__name__, e)
+        return None
+    return data, symbolic
+
+
+def symbolic_dims(value: Any) -> tuple[bool, ...] | bool | None:
+    """Which sizes of a traced value are symbolic: per dim for a tensor, a bool for an int."""
+    if isinstance(value, torch.Tensor):
+        return tuple(_compat.is_symbolic(size) for size in value.shape)
+    if isinstance(value, torch.SymInt):
+        return _compat.is_symbolic(value)
+    return None
+
+
+def backward_graph(forward_cls: type) -> torch.fx.GraphModule | None:
+    """The traced backward graph of a class a cache hit made, each placeholder's symbolic
+    sizes in its meta (``SYMBOLIC_DIMS``); None where its entry has none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    portable = getattr(_compat.aot_cached_backward(forward_cls), "_dynbatch_backward", None)
+    if portable is None:
+        return None
+    data, symbolic = portable
+    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    for node, dims in zip(gm.graph.find_nodes(op="placeholder"), symbolic):
+        node.meta[SYMBOLIC_DIMS] = dims
+    return gm
 
 
 # --- the records beside the entries ------------------------------------------------

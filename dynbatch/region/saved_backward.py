@@ -29,7 +29,7 @@ import torch.fx
 
 from .. import _compat, fail_soft, records
 from ..batching import batch_rules, markers
-from ..lowering import inductor
+from ..lowering import aot_cache, inductor
 from ..planning import memory
 from ..records import STATS, CompileRecord
 from .aot_node import AotCall
@@ -159,7 +159,8 @@ _OWN_OUTPUTS = ("non_alias", "unsafe_view_alias", "custom_function_view")
 def _read_backward(forward_cls: type) -> SavedBackward | str:
     """AOTAutograd's backward graph of ``forward_cls`` and the layout of its arguments, or
     why it cannot be called as this module calls it."""
-    graph = _compat.aot_backward_graph(forward_cls)
+    # A class a cache hit made has the graph its entry kept (NOTE [The backward graph of a hit]).
+    graph = _compat.aot_backward_graph(forward_cls) or aot_cache.backward_graph(forward_cls)
     meta = getattr(forward_cls, "metadata", None)
     if graph is None or meta is None:
         return "AOTAutograd kept no backward graph"
@@ -448,16 +449,18 @@ def _fakes(mode: Any, placeholders: list[torch.fx.Node], args: list[Any], n_save
 
     fakes, pinned = [], []
     for i, (placeholder, arg) in enumerate(zip(placeholders, args)):
-        traced = placeholder.meta.get("val")
+        traced = _traced_symbolic(placeholder)
         if isinstance(arg, torch.Tensor):
             batched = i >= n_saved
-            dynamic = [batched] * batched + [_traced_symbolic(traced, d) for d in range(arg.dim() - batched)]
+            # A size the trace does not describe is taken dynamic.
+            dynamic = [batched] * batched + [traced[d] if isinstance(traced, tuple) and d < len(traced) else True
+                                             for d in range(arg.dim() - batched)]
             context = StatelessSymbolicContext(
                 dynamic_sizes=[DimDynamic.DYNAMIC if x else DimDynamic.STATIC for x in dynamic],
                 constraint_sizes=[None] * arg.dim())
             fake = mode.from_tensor(arg, symbolic_context=context)
             pinned += [(i, d, arg.shape[d]) for d, x in enumerate(dynamic) if x and isinstance(fake.shape[d], int)]
-        elif isinstance(arg, int) and isinstance(traced, torch.SymInt) and _compat.is_symbolic(traced):
+        elif isinstance(arg, int) and traced is True:
             fake = mode.shape_env.create_unspecified_symint_and_symbol(arg, ConstantSource(f"t{i}"),
                                                                        DimDynamic.DYNAMIC)
             if isinstance(fake, int):
@@ -470,11 +473,12 @@ def _fakes(mode: Any, placeholders: list[torch.fx.Node], args: list[Any], n_save
     return fakes, pinned
 
 
-def _traced_symbolic(traced: Any, d: int) -> bool:
-    """Is dim ``d`` of a placeholder's traced value symbolic (True where it is unknown)?"""
-    if not isinstance(traced, torch.Tensor) or d >= traced.dim():
-        return True
-    return _compat.is_symbolic(traced.shape[d])
+def _traced_symbolic(placeholder: torch.fx.Node) -> tuple[bool, ...] | bool | None:
+    """Which sizes of a placeholder were symbolic in AOTAutograd's trace: per dim for a
+    tensor, a bool for an int, None where the trace says nothing."""
+    if aot_cache.SYMBOLIC_DIMS in placeholder.meta:  # a graph a cache hit brought back
+        return placeholder.meta[aot_cache.SYMBOLIC_DIMS]
+    return aot_cache.symbolic_dims(placeholder.meta.get("val"))
 
 
 def _guards(mode: Any, fakes: list[Any]) -> Callable[[Sequence[Any]], bool]:
