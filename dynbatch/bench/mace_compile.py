@@ -38,9 +38,7 @@ import torch
 import dynbatch
 
 from .. import records
-from . import mace_workload
-from . import first_call
-from .first_call import timed_by_phase
+from . import first_call, mace_workload
 from .variants import VariantUnavailable, with_own_forward
 
 
@@ -88,7 +86,7 @@ def main(argv=None) -> int:
     with _gcc_timed() as gcc:
         for name, at in calls:
             got = []
-            seconds, phases, _ = timed_by_phase(lambda: got.append(program(at.batch, at.e_ref, at.f_ref)))
+            seconds, phases, _ = first_call.timed_by_phase(lambda: got.append(program(at.batch, at.e_ref, at.f_ref)))
             error = (got[0] - mace_workload._program(args.call, model, model)(at.batch, at.e_ref, at.f_ref)).abs().max()
             split = ", ".join(f"{p} {phases[p]:.1f}" for p in records.PHASES if phases.get(p))
             print(f"{args.call} {name} call: {seconds:.4g} s (max difference from eager {error:.2g})"

@@ -202,7 +202,11 @@ def backward_graph(forward_cls: type) -> torch.fx.GraphModule | None:
     if portable is None:
         return None
     data, symbolic = portable
-    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    try:
+        gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    except Exception as e:  # noqa: BLE001 - an entry of another torch: its outside grads recompute
+        log.info("dynbatch: the backward graph kept with a cache entry did not load: %s: %s", type(e).__name__, e)
+        return None
     for node, dims in zip(gm.graph.find_nodes(op="placeholder"), symbolic):
         node.meta[SYMBOLIC_DIMS] = dims
     return gm

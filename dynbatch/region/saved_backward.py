@@ -160,7 +160,9 @@ def _read_backward(forward_cls: type) -> SavedBackward | str:
     """AOTAutograd's backward graph of ``forward_cls`` and the layout of its arguments, or
     why it cannot be called as this module calls it."""
     # A class a cache hit made has the graph its entry kept (NOTE [The backward graph of a hit]).
-    graph = _compat.aot_backward_graph(forward_cls) or aot_cache.backward_graph(forward_cls)
+    graph = _compat.aot_backward_graph(forward_cls)
+    if graph is None:
+        graph = aot_cache.backward_graph(forward_cls)
     meta = getattr(forward_cls, "metadata", None)
     if graph is None or meta is None:
         return "AOTAutograd kept no backward graph"
