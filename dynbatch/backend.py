@@ -112,10 +112,12 @@ def _lower_within_budget(gm, batched_gm, example_inputs, opts: Options, record: 
         return inductor.lower(chunked_gm if planner.chunked else batched_gm, inputs, opts, record, planner)
 
     try:
-        # AOTAutograd's cache, where asked, for graphs without a batched grad, whose record is
-        # all a hit must bring back (NOTE [What a cache hit must not lose] in lowering/aot_cache.py).
+        # AOTAutograd's cache for graphs without a batched grad, whose record is all a hit must
+        # bring back (NOTE [What a cache hit must not lose] in lowering/aot_cache.py); not for a
+        # graph compiled in the background, whose programs arrive after the entry is written.
         compiled = inductor.lower(batched_gm, example_inputs, opts, record, planner,
-                                  cache=opts.aot_cache and not (record.batched or record.chunk_program))
+                                  cache=opts.aot_cache and opts.compile != "background"
+                                  and not (record.batched or record.chunk_program))
     except Exception as e:  # noqa: BLE001 - only a Replan is handled here
         replan = fx_utils.find_cause(e, memory.Replan)
         if replan is None:

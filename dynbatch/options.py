@@ -62,9 +62,8 @@ class Options:
     keep_cpu_buffers: bool | str = True
     # Load graphs without a batched grad from AOTAutograd's cache, with the record each miss
     # wrote beside its entry (lowering/aot_cache.py, NOTE [What a cache hit must not lose]):
-    # a warm process skips their trace.  Off by default: with it, compile="background"
-    # compiles in the foreground.
-    aot_cache: bool = False
+    # a warm process skips their trace.  A graph compiled in the background skips it.
+    aot_cache: bool = True
     # Where Inductor compiles a graph: "foreground" (its first call waits for the compile) or
     # "background" (its first calls run eager kernels while a worker process compiles it;
     # lowering/background.py, NOTE [Background compile]).

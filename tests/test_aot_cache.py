@@ -207,10 +207,18 @@ def test_a_hessian_outside_a_warm_force_model_gives_eagers_values_at_every_size(
         assert _record().caches.get("autograd_cache_hit", 0) == (start == "warm"), (start, _record().caches)
 
 
-def test_the_cache_is_off_by_default(cache_dir):
+def test_the_cache_is_on_by_default_and_off_for_a_background_compile(cache_dir):
     lin = torch.nn.Linear(4, 1).double()
-    for _ in range(2):
+    for start in ("cold", "warm"):
         _fresh()
-        compile_dynbatch(lambda x: torch.tanh(lin(x)).sum(), options=INDUCTOR)(torch.randn(5, 4, dtype=torch.float64))
-        caches = _record().caches
-        assert not any(k.startswith("autograd_cache") and v for k, v in caches.items()), caches
+        # AOTAutograd writes the entry once the backward has compiled, at its first call.
+        compile_dynbatch(lambda x: torch.tanh(lin(x)).sum(), options=INDUCTOR)(
+            torch.randn(5, 4, dtype=torch.float64)).backward()
+        assert _record().caches.get("autograd_cache_hit", 0) == (start == "warm"), (start, _record().caches)
+    # A background compile writes its programs after AOTAutograd would have written its entry.
+    _fresh()
+    compile_dynbatch(lambda x: torch.tanh(lin(x)).sum() * 2, options={**INDUCTOR, "dynbatch.compile": "background"})(
+        torch.randn(5, 4, dtype=torch.float64)).backward()
+    caches = _record().caches
+    assert not any(k.startswith("autograd_cache") and v for k, v in caches.items()), caches
+    assert dynbatch.counters().get("background_compiles", 0) >= 1, dynbatch.counters()

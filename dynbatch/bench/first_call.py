@@ -31,13 +31,13 @@ from .. import records
 from . import training
 from .cli import pin_to_cores
 
-# A column with "+aot_cache" runs with options={"dynbatch.aot_cache": True}, one with
+# A column with "+no_aot_cache" runs with options={"dynbatch.aot_cache": False}, one with
 # "+background" with options={"dynbatch.compile": "background"} (not run by default:
 # --columns eager,dynbatch_step,dynbatch_step+background compares them).
-COLUMNS = ("stock_traced", "dynbatch_model_in", "dynbatch_model_in+aot_cache", "dynbatch_step",
-           "dynbatch_step+aot_cache")
+COLUMNS = ("stock_traced", "dynbatch_model_in", "dynbatch_model_in+no_aot_cache", "dynbatch_step",
+           "dynbatch_step+no_aot_cache")
 STOCK = "stock_traced"  # stock as MACE's users set it up: the strongest peer
-EXTRAS = {"aot_cache": {"dynbatch.aot_cache": True}, "background": {"dynbatch.compile": "background"}}
+EXTRAS = {"no_aot_cache": {"dynbatch.aot_cache": False}, "background": {"dynbatch.compile": "background"}}
 HANDOVER_TIMEOUT = 1800.0  # seconds a "+background" column waits for its compiled programs
 
 

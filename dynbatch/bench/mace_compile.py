@@ -17,9 +17,9 @@ with the sizes that changed dynamic), ``marked`` (each tensor's atom, edge or gr
 marked dynamic before the first call, ``mark_batch_dynamic``) or ``dynamic``
 (``torch.compile(dynamic=True)``); ``--background`` compiles with
 ``options={"dynbatch.compile": "background"}`` and then calls the first batch again until
-every program compiled in the background has taken over (``handover``); ``--aot-cache``
-with ``options={"dynbatch.aot_cache": True}`` (run it twice on one cache directory for a
-warm start).
+every program compiled in the background has taken over (``handover``);
+``--without-aot-cache`` with ``options={"dynbatch.aot_cache": False}``.  Run it twice on one
+cache directory for a warm start.
 
 ``--without-vec-range-hook`` compiles with Inductor's ``simplify_index_in_vec_range`` as it
 is (``dynbatch.lowering.inductor.inductor_vec_range_without_full_simplify`` off), for an
@@ -57,7 +57,7 @@ def parse_args(argv) -> argparse.Namespace:
                         help="the batch's sizes static (default), marked dynamic, or torch.compile(dynamic=True)")
     parser.add_argument("--background", action="store_true",
                         help='options={"dynbatch.compile": "background"}')
-    parser.add_argument("--aot-cache", action="store_true", help='options={"dynbatch.aot_cache": True}')
+    parser.add_argument("--without-aot-cache", action="store_true", help='options={"dynbatch.aot_cache": False}')
     return parser.parse_args(argv)
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     except VariantUnavailable as e:
         raise SystemExit(f"dynbatch-bench mace_compile: {e}") from None
     options = {**({"dynbatch.compile": "background"} if args.background else {}),
-               **({"dynbatch.aot_cache": True} if args.aot_cache else {})}
+               **({"dynbatch.aot_cache": False} if args.without_aot_cache else {})}
     compiled = torch.compile(with_own_forward(model), backend="dynbatch", options=options,
                              dynamic=True if args.sizes == "dynamic" else None)
     run = (lambda batch, **kwargs: compiled(mark_batch_dynamic(batch), **kwargs)) if args.sizes == "marked" \

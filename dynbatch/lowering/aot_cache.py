@@ -12,7 +12,7 @@ nothing beside it is made a miss: a hit always brings the record of its graph.  
 records travel with torch's mega-cache (``torch.compiler.save_cache_artifacts``) as
 artifacts of their own; load them in a process that imported dynbatch.
 
-The cache is on where ``options={"dynbatch.aot_cache": True}`` asks and that record is
+The cache is on (``dynbatch.aot_cache``, default True) where that record is
 the whole story: Inductor lowers the graph, and it holds no batched grad (a batched grad's memory plan is read from the traced
 graph and not kept; those graphs, chunk programs and the saved-activations programs
 trace as before).  Inductor's own cache of the compiled kernels applies to all.
@@ -20,8 +20,8 @@ A hit also loads the compiled programs without the inner compiler that keeps the
 large CPU buffers (NOTE [Reused CPU buffers]): ``loaded`` does that for it.  A grad taken
 outside a graph from the cache batches its saved activations from the backward graph its
 entry kept (NOTE [The backward graph of a hit]).  A miss keeps its graph's meta
-(``_meta_kept``): saving an entry strips it in place.  The option is off by default: with
-it a background compile (lowering/background.py) compiles in the foreground.
+(``_meta_kept``): saving an entry strips it in place.  On by default; a graph compiled in
+the background (lowering/background.py) skips it.
 """
 
 from __future__ import annotations

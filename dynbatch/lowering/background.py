@@ -42,8 +42,9 @@ for these graphs, and the compiled forward never reports other strides to the ba
 (its ``post_compile`` runs at the handover).  The memory plan is the eager kernels' (unfused,
 the larger): a grad it chunks compiles in the foreground, as chunk programs do.
 
-Where it does not apply (logged at INFO): CUDA (untested), CUDA graphs, ``dynbatch.aot_cache``,
-``dynbatch.verify``, chunked grads, the aot_eager inner compiler.  A failed background compile
+Where it does not apply (logged at INFO): CUDA (untested), CUDA graphs, ``dynbatch.verify``,
+chunked grads, the aot_eager inner compiler.  Its graphs skip AOTAutograd's cache (an entry
+is written before their programs arrive).  A failed background compile
 leaves the eager kernels running, with a warning.  The worker starts at the first aten graph
 the FX graph cache does not hold (a warm start starts none: on a shared core its imports
 would slow the first call) and stops IDLE_SECONDS after its last compile, and at
@@ -81,22 +82,20 @@ _PICKLED_OPS = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.dynbatch.")
 _WORKER_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
-def applies(options: Any, record: Any, planner: Any, cache: bool, example_inputs: Sequence[Any]) -> bool:
+def applies(options: Any, record: Any, planner: Any, example_inputs: Sequence[Any]) -> bool:
     """Whether this graph's aten graphs compile in the background; where not, why, at INFO."""
-    reason = _foreground_reason(options, record, planner, cache, example_inputs)
+    reason = _foreground_reason(options, record, planner, example_inputs)
     if reason is not None:
         log.info("dynbatch: this graph compiles in the foreground (dynbatch.compile='background'): %s", reason)
         return False
     return True
 
 
-def _foreground_reason(options, record, planner, cache, example_inputs) -> str | None:
+def _foreground_reason(options, record, planner, example_inputs) -> str | None:
     if options.inner_compiler != "inductor":
         return f"dynbatch.inner_compiler={options.inner_compiler!r} compiles no kernels"
     if record.chunk_program or planner.chunked:
         return "its batched grads run chunk by chunk, whose chunk programs compile with it"
-    if cache:
-        return "dynbatch.aot_cache keeps Inductor's programs, which a background compile hands over later"
     if options.verify:
         return "dynbatch.verify checks a graph's first call, which would run the eager kernels"
     if _inductor_option(options, "triton.cudagraphs"):

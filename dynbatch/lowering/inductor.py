@@ -50,7 +50,7 @@ def lower(
     fx_utils.forget_cleared_sources(gm)
     cache = cache and options.inner_compiler == "inductor" and aot_cache.available()
     # NOTE [Background compile] in lowering/background.py
-    in_background = options.compile == "background" and background.applies(options, record, planner, cache,
+    in_background = options.compile == "background" and background.applies(options, record, planner,
                                                                             example_inputs)
     with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=cache),
           torch_internal_deprecations_hidden(),
