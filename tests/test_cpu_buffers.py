@@ -224,6 +224,30 @@ def test_a_wrapper_that_allocates_nothing_large_is_left_as_it_is(tmp_path):
     assert kept_buffers.routed_function(small, namespace["call"].__code__) is None
 
 
+def test_a_wrapper_whose_allocations_are_known_and_small_is_not_parsed(tmp_path, monkeypatch):
+    """A warm start installs every program it loads: one allocating only known, small sizes
+    is left as it is from its text (MACE's training step: ~1 s of parsing at each load).
+    One size not known, or not small, and the module is parsed and routed as before."""
+    small = WRAPPER.replace("(1024, 1024)", "(2, 2)").replace("(s33, 100, 100, 1)", "(3, 100, 100, 1)")
+    small = small.replace("(8*s33, 16)", "(8, 16)").replace("10000*s33", "30000")
+    namespace = {}
+    exec(compile(small, str(tmp_path / "small.py"), "exec"), namespace)
+    parse = kept_buffers.ast.parse
+    parsed = []
+    monkeypatch.setattr(kept_buffers.ast, "parse", lambda *a, **k: parsed.append(1) or parse(*a, **k))
+    assert kept_buffers.routed_function(small, namespace["call"].__code__, kept_buffers.LOW_BYTES) is None
+    assert not parsed
+    # 3 * 100 * 100 float32 is 117 KiB: under 128 KiB; 4 * 100 * 100 is over it.
+    larger = small.replace("(3, 100, 100, 1)", "(4, 100, 100, 1)")
+    exec(compile(larger, str(tmp_path / "larger.py"), "exec"), namespace)
+    assert kept_buffers.routed_function(larger, namespace["call"].__code__, kept_buffers.LOW_BYTES) is not None
+    assert parsed
+    parsed.clear()
+    exec(compile(WRAPPER, str(tmp_path / "wrapper.py"), "exec"), namespace)  # symbolic sizes
+    assert kept_buffers.routed_function(WRAPPER, namespace["call"].__code__) is not None
+    assert parsed
+
+
 def test_an_allocation_outside_the_call_is_not_routed_silently(tmp_path):
     namespace = _wrapper(tmp_path)
     elsewhere = WRAPPER + "\ndef other():\n    return empty_strided_cpu((4, 4), (4, 1), torch.float32)\n"

@@ -50,6 +50,8 @@ import copy
 import dataclasses
 import functools
 import itertools
+import math
+import re
 import statistics
 import threading
 import time
@@ -331,7 +333,9 @@ def routed_function(source: str, code: types.CodeType, lowest: int = MIN_BYTES,
     it reaches the floor bound in the module (a comparison in the generated code: a
     dynamic program's small buffers pay nothing).  ``probed``: the body also counts the
     call's faults for the module's ``_Watch``.  None where no allocation may be large."""
-    tree = ast.parse(source, code.co_filename)
+    if _every_allocation_known_under(source, lowest):
+        return None
+    tree = ast.parse(source, code.co_filename)  # this call's own: transformed in place
     path = _definition(tree, code)
     if path is None:
         raise LookupError(f"{code.co_name} (line {code.co_firstlineno}) not found in {code.co_filename}")
@@ -339,7 +343,7 @@ def routed_function(source: str, code: types.CodeType, lowest: int = MIN_BYTES,
     if _allocation_sites(tree) != _allocation_sites(function):
         raise LookupError(f"{code.co_filename} allocates outside {code.co_name}")
     router = _RouteAllocations(lowest)
-    function = router.visit(copy.deepcopy(function))
+    function = router.visit(function)
     if not router.routed:
         return None
     if probed:
@@ -350,6 +354,25 @@ def routed_function(source: str, code: types.CodeType, lowest: int = MIN_BYTES,
         function = cls
     module = compile(ast.fix_missing_locations(ast.Module([function], [])), code.co_filename, "exec")
     return _code_named(module, code.co_name, code.co_firstlineno)
+
+
+# An allocation as Inductor writes one with every size known: its bytes read from the text.
+_KNOWN_ALLOCATION = re.compile(_ALLOCATE + r"\(\(([0-9, ]*)\), \([0-9, ]*\), torch\.(\w+)\)")
+
+
+def _every_allocation_known_under(source: str, lowest: int) -> bool:
+    """Whether each allocation in a generated module has known sizes under ``lowest``: then
+    none is routed, and the module is not parsed.  A load from Inductor's cache installs
+    each program again, and parsing MACE's training step (two modules of 0.5-0.8 MB) took
+    ~1 s of a 6 s warm start.  Anything written otherwise takes the parse."""
+    known = _KNOWN_ALLOCATION.findall(source)
+    if len(known) != source.count(_ALLOCATE + "("):
+        return False
+    for sizes, dtype in known:
+        itemsize = getattr(getattr(torch, dtype, None), "itemsize", None)
+        if not isinstance(itemsize, int) or itemsize * math.prod(int(n) for n in sizes.split(",") if n.strip()) >= lowest:
+            return False
+    return True
 
 
 def _probed(body: list[ast.stmt]) -> list[ast.stmt]:
