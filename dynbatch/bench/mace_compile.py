@@ -4,10 +4,12 @@ calls through ``torch.compile(model, backend="dynbatch")``, and the seconds ``gc
     OMP_NUM_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) taskset -c 1 \\
         python -m dynbatch.bench mace_compile hessian [--without-vec-range-hook]
     python -m dynbatch.bench mace_compile training_step --other-batch [--sizes marked] [--background]
+    python -m dynbatch.bench mace_compile inference_forces --stock
 
 With mace-torch installed (``pip install -e '.[models]'``).  ``hessian``,
 ``inference_forces`` or ``training_step``: the ``mace`` workload's calls
-(mace_workload.py, its quick batch).  An empty kernel cache makes the first call the
+(mace_workload.py, its quick batch); ``calculator_forces``: the forces as MACE's ASE
+calculator takes them from a compiled model (``mace_workload.calculator_forces``).  An empty kernel cache makes the first call the
 whole compile; ``gcc`` compiles each of Inductor's C++ kernels in it, and the seconds it
 took are printed too.  ``--other-batch`` then calls it on a batch of other molecules (the
 ``cpu`` tier's: other atom, edge and graph counts) and compares that first call with eager's:
@@ -18,8 +20,9 @@ marked dynamic before the first call, ``mark_batch_dynamic``) or ``dynamic``
 (``torch.compile(dynamic=True)``); ``--background`` compiles with
 ``options={"dynbatch.compile": "background"}`` and then calls the first batch again until
 every program compiled in the background has taken over (``handover``);
-``--without-aot-cache`` with ``options={"dynbatch.aot_cache": False}``.  Run it twice on one
-cache directory for a warm start.
+``--without-aot-cache`` with ``options={"dynbatch.aot_cache": False}``; ``--stock`` compiles
+with stock ``torch.compile`` (Inductor) under MACE's own preparation instead, the peer to run
+beside it on the other core.  Run it twice on one cache directory for a warm start.
 
 ``--without-vec-range-hook`` compiles with Inductor's ``simplify_index_in_vec_range`` as it
 is (``dynbatch.lowering.inductor.inductor_vec_range_without_full_simplify`` off), for an
@@ -48,7 +51,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dynbatch-bench mace_compile",
                                      description="The first and second call of one of MACE's calls through "
                                                  "torch.compile(model, backend='dynbatch'), and gcc's seconds.")
-    parser.add_argument("call", choices=("hessian", "inference_forces", "training_step"))
+    parser.add_argument("call", choices=("hessian", "inference_forces", "training_step", "calculator_forces"))
     parser.add_argument("--without-vec-range-hook", action="store_true",
                         help="compile with Inductor's simplify_index_in_vec_range as it is")
     parser.add_argument("--other-batch", action="store_true",
@@ -58,6 +61,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--background", action="store_true",
                         help='options={"dynbatch.compile": "background"}')
     parser.add_argument("--without-aot-cache", action="store_true", help='options={"dynbatch.aot_cache": False}')
+    parser.add_argument("--stock", action="store_true",
+                        help="stock torch.compile (Inductor) with MACE's own preparation, for a side-by-side run")
     return parser.parse_args(argv)
 
 
@@ -69,29 +74,38 @@ def main(argv=None) -> int:
 
         inductor.inductor_vec_range_without_full_simplify = contextlib.nullcontext
     dynbatch.register()
-    problem = next(p for p in mace_workload.mace("quick", torch.device("cpu")) if p.call == args.call)
+    calculator = args.call == "calculator_forces"  # the inference_forces problem, run as MACE's calculator
+    call = "inference_forces" if calculator else args.call
+    problem = next(p for p in mace_workload.mace("quick", torch.device("cpu")) if p.call == call)
     case = problem.cases[0]
     try:
         model = problem.make_model()
     except VariantUnavailable as e:
         raise SystemExit(f"dynbatch-bench mace_compile: {e}") from None
+    if calculator:
+        model.requires_grad_(False)
+    program_of = mace_workload.calculator_forces if calculator else \
+        (lambda run: mace_workload._program(call, model, run))
+    if args.stock and (args.call == "hessian" or args.background or args.without_aot_cache):
+        raise SystemExit("dynbatch-bench mace_compile: --stock runs training_step or inference_forces, "
+                         "without dynbatch's options")
     options = {**({"dynbatch.compile": "background"} if args.background else {}),
                **({"dynbatch.aot_cache": False} if args.without_aot_cache else {})}
-    compiled = torch.compile(with_own_forward(model), backend="dynbatch", options=options,
-                             dynamic=True if args.sizes == "dynamic" else None)
+    compiled = torch.compile(with_own_forward(model), dynamic=True if args.sizes == "dynamic" else None,
+                             **({} if args.stock else {"backend": "dynbatch", "options": options}))
     run = (lambda batch, **kwargs: compiled(mark_batch_dynamic(batch), **kwargs)) if args.sizes == "marked" \
         else compiled
-    program = mace_workload._program(args.call, model, run)
+    program = program_of(run)
     calls = [("first", case), ("second", case)]
     if args.other_batch:
-        (other,) = next(p for p in mace_workload.mace("cpu", torch.device("cpu")) if p.call == args.call).cases
+        (other,) = next(p for p in mace_workload.mace("cpu", torch.device("cpu")) if p.call == call).cases
         calls.append((f"other batch's first ({other.label})", other))
     start = time.perf_counter()
-    with _gcc_timed() as gcc:
+    with _gcc_timed() as gcc, (mace_workload.mace_prep() if args.stock else contextlib.nullcontext()):
         for name, at in calls:
             got = []
             seconds, phases, _ = first_call.timed_by_phase(lambda: got.append(program(at.batch, at.e_ref, at.f_ref)))
-            error = (got[0] - mace_workload._program(args.call, model, model)(at.batch, at.e_ref, at.f_ref)).abs().max()
+            error = (got[0] - program_of(model)(at.batch, at.e_ref, at.f_ref)).abs().max()
             split = ", ".join(f"{p} {phases[p]:.1f}" for p in records.PHASES if phases.get(p))
             print(f"{args.call} {name} call: {seconds:.4g} s (max difference from eager {error:.2g})"
                   + (f"; {split}" if split else ""))

@@ -189,6 +189,19 @@ def _program(call: str, model: nn.Module, run: nn.Module) -> Callable[..., torch
     return lambda batch, e_ref, f_ref: run(fresh(batch), **kwargs)[key].detach()
 
 
+def calculator_forces(run: nn.Module) -> Callable[..., torch.Tensor]:
+    """The forces as MACE's ``MACECalculator`` takes them from a compiled model: the model's
+    parameters frozen (the caller's part: ``requires_grad_(False)``), positions and node
+    attributes requiring grad, ``training=True`` (the forces with create_graph)."""
+
+    def forces(batch, e_ref, f_ref):
+        copy = fresh(batch)
+        copy["node_attrs"].requires_grad_(True)
+        return run(copy, training=True, compute_force=True)["forces"].detach()
+
+    return forces
+
+
 def build(column: str, problem: Problem, device: torch.device) -> Runner:
     """One column's runner: its own copy of the model, compiled lazily on the first call."""
     from .variants import _graph_counter  # noqa: PLC0415 - shared with the batched-grad columns
