@@ -22,6 +22,7 @@ RECOMPUTE = ("auto", "always", "never")
 COMPILE = ("foreground", "background")
 KEEP_CPU_BUFFERS = (True, "large", False)
 SPARSE = ("auto", True, False)
+AOT_CACHE = (True, "with_backward", False)
 
 
 
@@ -63,7 +64,10 @@ class Options:
     # Load graphs without a batched grad from AOTAutograd's cache, with the record each miss
     # wrote beside its entry (lowering/aot_cache.py, NOTE [What a cache hit must not lose]):
     # a warm process skips their trace.  A graph compiled in the background skips it.
-    aot_cache: bool = True
+    # "with_backward": each such graph's backward compiles with its forward, not at its first
+    # call, so the entry is written even where no backward runs (NOTE [An entry needs its
+    # backward]).
+    aot_cache: bool | str = True
     # Where Inductor compiles a graph: "foreground" (its first call waits for the compile) or
     # "background" (its first calls run eager kernels while a worker process compiles it;
     # lowering/background.py, NOTE [Background compile]).
@@ -106,7 +110,10 @@ class Options:
         sparse = ours.get("sparse", "auto")
         if not (isinstance(sparse, bool) or sparse == "auto"):
             raise ValueError(f"dynbatch: option {PREFIX}sparse={ours['sparse']!r}; choose one of {list(SPARSE)}")
-        for flag in ("record_graphs", "verify", "aot_cache"):
+        aot_cache = ours.get("aot_cache", True)
+        if not (isinstance(aot_cache, bool) or aot_cache == "with_backward"):
+            raise ValueError(f"dynbatch: option {PREFIX}aot_cache={aot_cache!r}; choose one of {list(AOT_CACHE)}")
+        for flag in ("record_graphs", "verify"):
             if flag in ours and not isinstance(ours[flag], bool):
                 raise ValueError(f"dynbatch: option dynbatch.{flag} takes a bool")
         if "memory_budget" in ours:

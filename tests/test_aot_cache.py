@@ -207,6 +207,33 @@ def test_a_hessian_outside_a_warm_force_model_gives_eagers_values_at_every_size(
         assert _record().caches.get("autograd_cache_hit", 0) == (start == "warm"), (start, _record().caches)
 
 
+@pytest.mark.parametrize("aot_cache", [True, "with_backward"])
+def test_a_graph_no_backward_runs_through_is_cached_with_its_backward(cache_dir, aot_cache):
+    """MACE's calculator: parameters frozen, positions requiring grad, the forces with
+    create_graph, and no backward.  AOTAutograd writes an entry once its backward compiled,
+    so by default a warm process traces such a graph again (as stock's does); with
+    "with_backward" the cold call compiles the backward and writes it, the warm one loads it,
+    and a backward through the warm graph gives eager's grads (NOTE [An entry needs its
+    backward])."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    model.requires_grad_(False)
+
+    def forces(pos):
+        return -grad(model(pos).sum(), pos, create_graph=True)[0]
+
+    pos = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    expected = forces(pos)
+    for start in ("cold", "warm"):
+        _fresh()
+        got = compile_dynbatch(forces, options={**INDUCTOR, "dynbatch.aot_cache": aot_cache})(pos)
+        assert_same_grads(got, expected, msg=start)
+        hit = _record().caches.get("autograd_cache_hit", 0)
+        assert hit == (start == "warm" and aot_cache == "with_backward"), (start, _record().caches)
+    # the backward the warm graph loaded (or traced) is the one eager runs
+    assert_same_grads(grad(got.square().sum(), pos)[0], grad(expected.square().sum(), pos)[0])
+
+
 def test_the_cache_is_on_by_default_and_off_for_a_background_compile(cache_dir):
     lin = torch.nn.Linear(4, 1).double()
     for start in ("cold", "warm"):

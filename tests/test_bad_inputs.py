@@ -421,6 +421,14 @@ def test_keep_cpu_buffers_takes_a_bool_or_large(value):
         Options.from_compile_args(None, {"dynbatch.keep_cpu_buffers": value})
 
 
+@pytest.mark.parametrize("value", ["backward", 1, None])
+def test_aot_cache_takes_a_bool_or_with_backward(value):
+    for good in (True, "with_backward", False):
+        assert Options.from_compile_args(None, {"dynbatch.aot_cache": good}).aot_cache == good
+    with pytest.raises(ValueError, match=r"aot_cache=.*choose one of \[True, 'with_backward', False\]"):
+        Options.from_compile_args(None, {"dynbatch.aot_cache": value})
+
+
 def test_unknown_option_at_compile_time_raises():
     # The user's torch.compile(options=...), not compile_dynbatch: the options as given reach dynbatch.
     compiled = torch.compile(p_batched, backend="dynbatch", options={"dynbatch.nope": 1})

@@ -152,6 +152,16 @@ def _meta_kept(serialize: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return serialize_keeping_meta
 
 
+# NOTE [An entry needs its backward]
+# AOTAutograd writes a graph's entry once its backward has compiled, which it does lazily, at
+# the first backward.  A graph that is never differentiated, though its inputs require grad,
+# is never written, and every process traces it again, stock's included: MACE's calculator
+# (parameters frozen, positions requiring grad, forces with create_graph) traced its forces
+# for 20-25 s in each warm process.  ``dynbatch.aot_cache="with_backward"`` compiles the
+# backward with the forward (AOTAutograd's ``force_non_lazy_backward_lowering``), so the cold
+# call writes the entry: a cold compile longer by the backward's, for warm ones that load it.
+# Not the default: a process that compiles once would pay for a backward it never runs.
+
 # --- the backward graph a hit brings ---------------------------------------------
 # NOTE [The backward graph of a hit]
 # A grad taken outside a compiled graph batches AOTAutograd's backward graph over its saved

@@ -52,7 +52,10 @@ def lower(
     # NOTE [Background compile] in lowering/background.py
     in_background = options.compile == "background" and background.applies(options, record, planner,
                                                                             example_inputs)
-    with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=cache),
+    # NOTE [An entry needs its backward] in lowering/aot_cache.py
+    backward_now = cache and options.aot_cache == "with_backward"
+    with (_compat.aot_config_patch(donated_buffer=False, enable_autograd_cache=cache,
+                                   **({"force_non_lazy_backward_lowering": True} if backward_now else {})),
           torch_internal_deprecations_hidden(),
           aot_cache.lowering(record, _buffers_kept(options)) if cache else contextlib.nullcontext(),
           markers.collecting() if planner.active else contextlib.nullcontext()):
