@@ -18,7 +18,7 @@ import torch
 import dynbatch
 
 pytest.importorskip("mace", reason="mace-torch is not installed (pip install -e '.[models]')")
-from dynbatch.bench.mace_workload import DTYPE, fresh, make_batch, make_model  # noqa: E402
+from dynbatch.bench.mace_workload import DTYPE, calculator_forces, fresh, make_batch, make_model  # noqa: E402
 
 pytestmark = pytest.mark.models
 CLOSE = {"rtol": 1e-7, "atol": 1e-10}
@@ -37,6 +37,19 @@ def test_inference_forces(first_call):
     counts = dynbatch.counters()
     # the forces' grad is in the graph, though the energy it consumed is returned
     # (NOTE [A grad that consumes returned tensors]); no grad runs outside it
+    assert counts["grads_plain"] >= 1 and counts.get("fallbacks", 0) == 0 and not counts.get("outside_plain"), counts
+
+
+def test_forces_as_maces_calculator_takes_them(first_call):
+    """MACE's ASE calculator with compile_mode set: parameters frozen, positions and node
+    attributes requiring grad, training=True (the forces' grad with create_graph)."""
+    model = make_model().requires_grad_(False)
+    forces = calculator_forces(torch.compile(model, backend="dynbatch"))
+    for i, names in enumerate((["CH3OH", "CH3CH2OH", "H2O"], ["CH3OH", "CH3CH2OH", "H2O"])):
+        batch = make_batch(names, seed=i)
+        got = first_call(forces, batch, None, None) if i == 0 else forces(batch, None, None)
+        torch.testing.assert_close(got, calculator_forces(model)(batch, None, None), **CLOSE)
+    counts = dynbatch.counters()
     assert counts["grads_plain"] >= 1 and counts.get("fallbacks", 0) == 0 and not counts.get("outside_plain"), counts
 
 
