@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Callable
 
 import pytest
@@ -413,20 +414,16 @@ def test_unknown_dynbatch_option_lists_known_ones():
         Options.from_compile_args(None, {"dynbatch.inner_compilr": "aot_eager"})
 
 
-@pytest.mark.parametrize("value", ["largest", 1, None])
-def test_keep_cpu_buffers_takes_a_bool_or_large(value):
-    for good in (True, "large", False):
-        assert Options.from_compile_args(None, {"dynbatch.keep_cpu_buffers": good}).keep_cpu_buffers == good
-    with pytest.raises(ValueError, match=r"keep_cpu_buffers=.*choose one of \[True, 'large', False\]"):
-        Options.from_compile_args(None, {"dynbatch.keep_cpu_buffers": value})
-
-
-@pytest.mark.parametrize("value", ["backward", 1, None])
-def test_aot_cache_takes_a_bool_or_with_backward(value):
-    for good in (True, "with_backward", False):
-        assert Options.from_compile_args(None, {"dynbatch.aot_cache": good}).aot_cache == good
-    with pytest.raises(ValueError, match=r"aot_cache=.*choose one of \[True, 'with_backward', False\]"):
-        Options.from_compile_args(None, {"dynbatch.aot_cache": value})
+@pytest.mark.parametrize("name, values, bad", [
+    ("keep_cpu_buffers", [True, "large", False], ["largest", 1, None]),
+    ("aot_cache", [True, "with_backward", False], ["backward", 1, None]),
+])
+def test_an_option_of_a_few_values_takes_each_and_names_them_for_another(name, values, bad):
+    for good in values:
+        assert getattr(Options.from_compile_args(None, {f"dynbatch.{name}": good}), name) == good
+    for value in bad:
+        with pytest.raises(ValueError, match=rf"{name}=.*choose one of {re.escape(str(values))}"):
+            Options.from_compile_args(None, {f"dynbatch.{name}": value})
 
 
 def test_unknown_option_at_compile_time_raises():
