@@ -9,9 +9,9 @@ calls through ``torch.compile(model, backend="dynbatch")``, and the seconds ``gc
 With mace-torch installed (``pip install -e '.[models]'``).  ``hessian``,
 ``inference_forces`` or ``training_step``: the ``mace`` workload's calls
 (mace_workload.py, its quick batch); ``calculator_forces``: the forces as MACE's ASE
-calculator takes them from a compiled model (``mace_workload.calculator_forces``).  An empty kernel cache makes the first call the
-whole compile; ``gcc`` compiles each of Inductor's C++ kernels in it, and the seconds it
-took are printed too.  ``--other-batch`` then calls it on a batch of other molecules (the
+calculator takes them from a compiled model (``mace_workload.calculator_forces``).  An
+empty kernel cache makes the first call the whole compile; ``gcc`` compiles each of
+Inductor's C++ kernels in it, and the seconds it took are printed too.  ``--other-batch`` then calls it on a batch of other molecules (the
 ``cpu`` tier's: other atom, edge and graph counts) and compares that first call with eager's:
 a second batch as MD over a dataset meets it.  ``--sizes`` sets how the compile sees the
 batch's sizes: ``static`` (torch.compile's default: static first, then Dynamo recompiles
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
         (lambda run: mace_workload._program(call, model, run))
     if args.stock and (args.call == "hessian" or args.background or args.without_aot_cache
                        or args.aot_cache_with_backward):
-        raise SystemExit("dynbatch-bench mace_compile: --stock runs training_step or inference_forces, "
-                         "without dynbatch's options")
+        raise SystemExit("dynbatch-bench mace_compile: --stock runs training_step, inference_forces or "
+                         "calculator_forces, without dynbatch's options")
     options = {**({"dynbatch.compile": "background"} if args.background else {}),
                **({"dynbatch.aot_cache": False} if args.without_aot_cache else {}),
                **({"dynbatch.aot_cache": "with_backward"} if args.aot_cache_with_backward else {})}

@@ -370,7 +370,9 @@ def _every_allocation_known_under(source: str, lowest: int) -> bool:
         return False
     for sizes, dtype in known:
         itemsize = getattr(getattr(torch, dtype, None), "itemsize", None)
-        if not isinstance(itemsize, int) or itemsize * math.prod(int(n) for n in sizes.split(",") if n.strip()) >= lowest:
+        if not isinstance(itemsize, int):
+            return False
+        if itemsize * math.prod(int(n) for n in sizes.split(",") if n.strip()) >= lowest:
             return False
     return True
 
