@@ -7,23 +7,23 @@ calls through ``torch.compile(model, backend="dynbatch")``, and the seconds ``gc
     python -m dynbatch.bench mace_compile inference_forces --stock
 
 With mace-torch installed (``pip install -e '.[models]'``).  ``hessian``,
-``inference_forces`` or ``training_step``: the ``mace`` workload's calls
-(mace_workload.py, its quick batch); ``calculator_forces``: the forces as MACE's ASE
-calculator takes them from a compiled model (``mace_workload.calculator_forces``).  An
-empty kernel cache makes the first call the whole compile; ``gcc`` compiles each of
-Inductor's C++ kernels in it, and the seconds it took are printed too.  ``--other-batch`` then calls it on a batch of other molecules (the
-``cpu`` tier's: other atom, edge and graph counts) and compares that first call with eager's:
-a second batch as MD over a dataset meets it.  ``--sizes`` sets how the compile sees the
-batch's sizes: ``static`` (torch.compile's default: static first, then Dynamo recompiles
-with the sizes that changed dynamic), ``marked`` (each tensor's atom, edge or graph count
-marked dynamic before the first call, ``mark_batch_dynamic``) or ``dynamic``
+``inference_forces`` or ``training_step``: the ``mace`` workload's calls (mace_workload.py,
+its quick batch); ``calculator_forces``: the forces as MACE's ASE calculator takes them from
+a compiled model (``mace_workload.calculator_forces``).  An empty kernel cache makes the
+first call the whole compile; ``gcc`` compiles each of Inductor's C++ kernels in it, and the
+seconds it took are printed too.  ``--other-batch`` then calls it on a batch of other
+molecules (the ``cpu`` tier's: other atom, edge and graph counts) and compares that first
+call with eager's: a second batch as MD over a dataset meets it.  ``--sizes`` sets how the
+compile sees the batch's sizes: ``static`` (torch.compile's default: static first, then
+Dynamo recompiles with the sizes that changed dynamic), ``marked`` (each tensor's atom, edge
+or graph count marked dynamic before the first call, ``mark_batch_dynamic``) or ``dynamic``
 (``torch.compile(dynamic=True)``); ``--background`` compiles with
 ``options={"dynbatch.compile": "background"}`` and then calls the first batch again until
 every program compiled in the background has taken over (``handover``);
 ``--without-aot-cache`` with ``options={"dynbatch.aot_cache": False}``,
-``--aot-cache-with-backward`` with ``"with_backward"``; ``--stock`` compiles
-with stock ``torch.compile`` (Inductor) under MACE's own preparation instead, the peer to run
-beside it on the other core.  Run it twice on one cache directory for a warm start.
+``--aot-cache-with-backward`` with ``"with_backward"``; ``--stock`` compiles with stock
+``torch.compile`` (Inductor) under MACE's own preparation instead, the peer to run beside it
+on the other core.  Run it twice on one cache directory for a warm start.
 
 ``--without-vec-range-hook`` compiles with Inductor's ``simplify_index_in_vec_range`` as it
 is (``dynbatch.lowering.inductor.inductor_vec_range_without_full_simplify`` off), for an
