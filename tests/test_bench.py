@@ -737,7 +737,8 @@ def test_mace_without_mace_torch_says_so_in_every_cell(tmp_path, monkeypatch):
     assert "mace" not in settings_from(parse_args([])).workloads  # minutes of compiles: run when named
     assert main(["--quick", "--workloads", "mace", "--out", str(tmp_path), "--no-progress"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [p["problem"] for p in results["mace"]] == ["mace/training_step", "mace/inference_forces", "mace/hessian"]
+    assert [p["problem"] for p in results["mace"]] == ["mace/training_step", "mace/inference_forces",
+                                                       "mace/calculator_forces", "mace/hessian"]
     for problem in results["mace"]:
         cells = problem["cases"][0]["variants"]
         assert set(cells) == set(mace_workload.COLUMNS), cells

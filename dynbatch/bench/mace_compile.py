@@ -7,9 +7,9 @@ calls through ``torch.compile(model, backend="dynbatch")``, and the seconds ``gc
     python -m dynbatch.bench mace_compile inference_forces --stock
 
 With mace-torch installed (``pip install -e '.[models]'``).  ``hessian``,
-``inference_forces`` or ``training_step``: the ``mace`` workload's calls (mace_workload.py,
-its quick batch); ``calculator_forces``: the forces as MACE's ASE calculator takes them from
-a compiled model (``mace_workload.calculator_forces``).  An empty kernel cache makes the
+``inference_forces``, ``calculator_forces`` (the forces as MACE's ASE calculator takes them
+from a compiled model) or ``training_step``: the ``mace`` workload's calls (mace_workload.py,
+its quick batch).  An empty kernel cache makes the
 first call the whole compile; ``gcc`` compiles each of Inductor's C++ kernels in it, and the
 seconds it took are printed too.  ``--other-batch`` then calls it on a batch of other
 molecules (the ``cpu`` tier's: other atom, edge and graph counts) and compares that first
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 import types
 
@@ -52,7 +53,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dynbatch-bench mace_compile",
                                      description="The first and second call of one of MACE's calls through "
                                                  "torch.compile(model, backend='dynbatch'), and gcc's seconds.")
-    parser.add_argument("call", choices=("hessian", "inference_forces", "training_step", "calculator_forces"))
+    parser.add_argument("call", choices=tuple(mace_workload._CALLS))
     parser.add_argument("--without-vec-range-hook", action="store_true",
                         help="compile with Inductor's simplify_index_in_vec_range as it is")
     parser.add_argument("--other-batch", action="store_true",
@@ -77,18 +78,14 @@ def main(argv=None) -> int:
 
         inductor.inductor_vec_range_without_full_simplify = contextlib.nullcontext
     dynbatch.register()
-    calculator = args.call == "calculator_forces"  # the inference_forces problem, run as MACE's calculator
-    call = "inference_forces" if calculator else args.call
+    call = args.call
     problem = next(p for p in mace_workload.mace("quick", torch.device("cpu")) if p.call == call)
     case = problem.cases[0]
     try:
         model = problem.make_model()
     except VariantUnavailable as e:
         raise SystemExit(f"dynbatch-bench mace_compile: {e}") from None
-    if calculator:
-        model.requires_grad_(False)
-    program_of = mace_workload.calculator_forces if calculator else \
-        (lambda run: mace_workload._program(call, model, run))
+    program_of = functools.partial(mace_workload._program, call, model)
     if args.stock and (args.call == "hessian" or args.background or args.without_aot_cache
                        or args.aot_cache_with_backward):
         raise SystemExit("dynbatch-bench mace_compile: --stock runs training_step, inference_forces or "

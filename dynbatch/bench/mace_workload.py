@@ -1,4 +1,4 @@
-"""The ``mace`` workload: a real model (mace-torch) in the three calls its users make.
+"""The ``mace`` workload: a real model (mace-torch) in the calls its users make.
 
 A small MACE (2 interactions, hidden irreps 8x0e+8x1o, float64; built as MACE's own
 compile helper builds it: e3nn's TorchScript code generation off, e3nn modules
@@ -9,6 +9,9 @@ call, each on that batch:
   create_graph), loss ``sum((E - E_ref)^2) + mean((F - F_ref)^2)``, ``loss.backward()``;
   the result compared is the parameter grads, flattened;
 - ``inference_forces``: ``model(batch, training=False, compute_force=True)``; the forces;
+- ``calculator_forces``: the forces as MACE's ASE calculator takes them from a compiled
+  model: parameters frozen, positions and node attributes requiring grad,
+  ``training=True`` (``calculator_forces``);
 - ``hessian``: ``compute_hessian=True`` as well (MACE's own ``torch.vmap`` of a vjp,
   ``chunk_size=1``); the Hessian.
 
@@ -58,6 +61,8 @@ Z_TABLE = (1, 6, 8)  # H, C, O
 _CALLS = {
     "training_step": ({"training": True, "compute_force": True}, "the parameter grads"),
     "inference_forces": ({"training": False, "compute_force": True}, "the forces"),
+    "calculator_forces": ({"training": True, "compute_force": True},
+                          "the forces, parameters frozen, positions and node attributes requiring grad"),
     "hessian": ({"training": False, "compute_force": True, "compute_hessian": True}, "the Hessian"),
 }
 
@@ -140,7 +145,7 @@ def fresh(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def mace(tier: str, device: torch.device, atoms=None) -> list[Problem]:
-    """The three problems on the tier's batch (``atoms`` is not used: the batch is molecules)."""
+    """The problems, one per call, on the tier's batch (``atoms`` is not used: the batch is molecules)."""
     names = _MOLECULES[tier]
     try:
         batch = make_batch(names, device)
@@ -153,11 +158,17 @@ def mace(tier: str, device: torch.device, atoms=None) -> list[Problem]:
         case = Case(f"{'+'.join(names)} float64", None)
     what = (f"a 2-interaction MACE (hidden irreps 8x0e+8x1o, 24,096 parameters, float64) on {'+'.join(names)}: "
             "model(batch, {}); compared: {}")
-    return [Problem(name=f"mace/{call}", call=call, make_model=lambda: make_model(device), cases=(case,),
+    return [Problem(name=f"mace/{call}", call=call, make_model=functools.partial(_model_for, call, device),
+                    cases=(case,),
                     description=what.format(", ".join(f"{k}={v}" for k, v in kwargs.items()), compared)
                     + (", after loss = sum((E - E_ref)^2) + mean((F - F_ref)^2) and loss.backward()"
                        if call == "training_step" else ""))
             for call, (kwargs, compared) in _CALLS.items()]
+
+
+def _model_for(call: str, device: torch.device) -> nn.Module:
+    model = make_model(device)
+    return model.requires_grad_(False) if call == "calculator_forces" else model  # as MACE's calculator
 
 
 WORKLOADS = {"mace": mace}
@@ -185,6 +196,8 @@ def _program(call: str, model: nn.Module, run: nn.Module) -> Callable[..., torch
             return torch.cat([p.grad.reshape(-1) for p in params])
 
         return step
+    if call == "calculator_forces":
+        return calculator_forces(run)
     key = "hessian" if call == "hessian" else "forces"
     return lambda batch, e_ref, f_ref: run(fresh(batch), **kwargs)[key].detach()
 

@@ -128,7 +128,8 @@ def test_bench_workload(tmp_path):
     assert main(["--quick", "--workloads", "mace", "--variants", "dynbatch", "--threads", "1",
                  "--out", str(tmp_path), "--no-progress"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [p["problem"] for p in results["mace"]] == ["mace/training_step", "mace/inference_forces", "mace/hessian"]
+    assert [p["problem"] for p in results["mace"]] == ["mace/training_step", "mace/inference_forces",
+                                                       "mace/calculator_forces", "mace/hessian"]
     for problem in results["mace"]:
         (case,) = problem["cases"]
         cells = case["variants"]
