@@ -23,7 +23,7 @@ import torch.fx
 from . import _compat, fx_utils, records
 from .batching import grad_pass
 from .capture import grad_calls, requires_grad_tracing
-from .lowering import aot_cache, inductor, verify
+from .lowering import aot_cache, frame_stack, inductor, verify
 from .planning import chunking, memory
 from .region import edge
 from .sparsity import rewrite
@@ -38,6 +38,7 @@ class UnsupportedGraph(RuntimeError):
     """Raised instead of falling back when ``dynbatch.on_unsupported="error"``."""
 
 
+@frame_stack.with_room  # NOTE [A compile on a chunk's edge]
 def dynbatch_backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],

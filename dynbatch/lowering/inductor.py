@@ -24,7 +24,7 @@ from .. import _compat, fail_soft, fx_utils, records
 from ..cpu import kept_buffers, matmul_kernels
 from ..batching import markers
 from ..planning import memory
-from . import aot_cache, aten_passes, background
+from . import aot_cache, aten_passes, background, frame_stack
 from ..graph_text import count_nodes, graph_text
 from ..options import Options
 from ..records import CompileRecord
@@ -32,6 +32,7 @@ from ..records import CompileRecord
 log = logging.getLogger("dynbatch")
 
 
+@frame_stack.with_room  # NOTE [A compile on a chunk's edge]; the region's own lowerings enter here
 def lower(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -224,6 +225,7 @@ def _lower_with_inductor(gm, example_inputs, options: Options, record: CompileRe
                          in_background=False):
     inner = _compat.compile_fx_inner()
 
+    @frame_stack.with_room  # a backward AOTAutograd compiles at its first call enters here
     def recording_inner_compile(aten_gm, aten_inputs, **kwargs):
         # A backward AOTAutograd compiles at its first call: its seconds join the record's.
         with (contextlib.nullcontext() if records.in_compile_span()
