@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-import dynbatch
 from conftest import INDUCTOR, assert_backend_ran, assert_same_grads, compile_dynbatch
 from dynbatch.lowering import frame_stack
 
