@@ -471,3 +471,30 @@ def test_atom_and_edge_counts_marked_dynamic_compile_one_graph_for_every_batch()
             torch._dynamo.mark_dynamic(t, 0)
         assert_same_grads(step(compiled, pos, src, dst), step(eager, pos.clone(), src, dst))
     assert dynbatch.counters()["graphs"] == 1 and unique_graphs() == 1, dynbatch.counters()
+
+
+def test_a_marked_size_in_a_small_product_stays_unbounded_under_inductor():
+    """Inductor's CPU decomposition rewrites an ``[n, 1] @ [1, m]`` product whose operands
+    hold at most 32 elements as a pointwise one, and asks with ``guard_or_false``: for a
+    marked n that bounds it (``s0 + 16 <= 32``), so the first batch's 4 atoms would compile
+    again at 20 (NequIP's forces, 12 then 18 atoms).  Under dynbatch the size stays
+    unbounded (lowering/inductor.py, ``inductor_small_products_without_size_guards``)."""
+    torch.manual_seed(0)
+    weight = torch.randn(1, 16, dtype=torch.float64, requires_grad=True)
+
+    def energy_and_forces(x):
+        energy = torch.tanh(x @ weight).sum()
+        return energy, -torch.autograd.grad(energy, x, create_graph=True)[0]
+
+    def step(fn, x):
+        weight.grad = None
+        energy, forces = fn(x)
+        (energy + forces.square().sum()).backward()
+        return energy.detach(), forces.detach(), weight.grad
+
+    compiled = compile_dynbatch(energy_and_forces, options=INDUCTOR)
+    for atoms in (4, 20):
+        x = torch.randn(atoms, 1, dtype=torch.float64, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_same_grads(step(compiled, x), step(energy_and_forces, x.detach().requires_grad_()))
+    assert dynbatch.counters()["graphs"] == 1 and unique_graphs() == 1, dynbatch.counters()

@@ -21,7 +21,7 @@ __all__ = ["compile_fx", "inductor_compiled_graph_class", "compile_fx_inner", "c
            "inductor_out_of_process_compile", "inductor_subprocess_pool",
            "inductor_config_patches", "inductor_config_value", "inductor_empty_strided_cpu",
            "inductor_fallback", "inductor_inline_limits", "inductor_lowerings",
-           "inductor_patterns_registered", "inductor_stride_at_module", "inductor_sympy_subs",
+           "inductor_patterns_registered", "inductor_stride_at_module", "inductor_decomposition_module", "inductor_sympy_subs",
            "inductor_wrapper_function", "is_symbolic", "raise_inductor_inline_limits",
            "register_extern_kernel", "storage_address", "storage_use_count"]
 
@@ -57,6 +57,14 @@ def compile_fx_inner() -> Callable:
     from torch._inductor.compile_fx import compile_fx_inner as _inner
 
     return _inner
+
+
+def inductor_decomposition_module() -> Any:
+    """``torch._inductor.decomposition``, whose decompositions ask of sizes through its module
+    global ``guard_or_false`` (2.11-2.14)."""
+    from torch._inductor import decomposition
+
+    return decomposition
 
 
 def inductor_stride_at_module() -> Any:

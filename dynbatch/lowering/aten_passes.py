@@ -236,10 +236,12 @@ class PostGradPasses(_compat.custom_graph_pass_base()):
         # also keys lowering/inductor.py's choice of extern convolutions, the scheduler fix
         # (inductor.inductor_scheduler_keeps_mutation_renames) and the C++ strides and
         # vector index ranges (inductor.inductor_strides_without_full_simplify,
-        # inductor_vec_range_without_full_simplify), which Inductor's FX graph cache would
-        # not see otherwise
+        # inductor_vec_range_without_full_simplify) and small products
+        # (inductor_small_products_without_size_guards), which Inductor's FX graph cache and
+        # AOTAutograd's would not see otherwise
         ours = ("dynbatch-clone-scatter-targets-v1+scheduler-renames-v1+extern-convolutions-v1"
-                "+strides-without-full-simplify-v1+vec-range-without-full-simplify-v1")
+                "+strides-without-full-simplify-v1+vec-range-without-full-simplify-v1"
+                "+small-products-unbounded-v1")
         if self.users_pass is not None:
             users = getattr(self.users_pass, "uuid", None)
             return None if users is None else (ours, users())  # None: Inductor does not cache
