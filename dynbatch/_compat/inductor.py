@@ -16,12 +16,12 @@ from .functorch import outside_legacy_vmap
 
 
 __all__ = ["compile_fx", "inductor_compiled_graph_class", "compile_fx_inner", "custom_graph_pass_base", "inductor_cache_dir",
-           "inductor_compile_fx_module", "inductor_compile_in_child", "inductor_fx_graph_cache",
-           "inductor_graph_pickler_ops", "inductor_subprocess_compile_missing",
+           "inductor_compile_fx_module", "inductor_compile_in_child", "inductor_decomposition_module",
+           "inductor_fx_graph_cache", "inductor_graph_pickler_ops", "inductor_subprocess_compile_missing",
            "inductor_out_of_process_compile", "inductor_subprocess_pool",
            "inductor_config_patches", "inductor_config_value", "inductor_empty_strided_cpu",
            "inductor_fallback", "inductor_inline_limits", "inductor_lowerings",
-           "inductor_patterns_registered", "inductor_stride_at_module", "inductor_decomposition_module", "inductor_sympy_subs",
+           "inductor_patterns_registered", "inductor_stride_at_module", "inductor_sympy_subs",
            "inductor_wrapper_function", "is_symbolic", "raise_inductor_inline_limits",
            "register_extern_kernel", "storage_address", "storage_use_count"]
 
