@@ -54,10 +54,13 @@ def compile_records() -> list[CompileRecord]:
 
 
 def reset() -> None:
-    """Clear counters, records and the sparse derivatives' plans, and stop the background
-    compiles' worker process (Dynamo's own caches are torch._dynamo.reset())."""
+    """Clear counters, records and the sparse derivatives' plans, wait for the frames traced
+    aside, and stop the background compiles' worker process (Dynamo's own caches are
+    torch._dynamo.reset())."""
+    from .capture import traced_aside
     from .lowering import background
 
+    traced_aside.shutdown()
     background.shutdown()
     STATS.reset()
     _compressed.clear_caches()

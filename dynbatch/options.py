@@ -68,9 +68,10 @@ class Options:
     # call, so the entry is written even where no backward runs (NOTE [An entry needs its
     # backward]).
     aot_cache: bool | str = True
-    # Where Inductor compiles a graph: "foreground" (its first call waits for the compile) or
-    # "background" (its first calls run eager kernels while a worker process compiles it;
-    # lowering/background.py, NOTE [Background compile]).
+    # Where a frame is traced and compiled: "foreground" (its first call waits for both) or
+    # "background" (its first calls run eagerly while a thread traces it, NOTE [Traced aside]
+    # in capture/traced_aside.py, then its batched graph on eager kernels while a worker
+    # process compiles it, NOTE [Background compile] in lowering/background.py).
     compile: str = "foreground"
     # Batched grads over an identity (functional.jacobian/hessian(vectorize=True)) computed
     # by colours at run time, one batched grad per colour (sparsity/rewrite.py, NOTE

@@ -96,8 +96,8 @@ def first_call(request):
 
 
 def reset_all() -> None:
+    dynbatch.reset()  # first: it waits for the frames traced aside, which Dynamo's reset must not cut short
     torch._dynamo.reset()
-    dynbatch.reset()
     torch._dynamo.utils.counters.clear()
 
 
@@ -174,6 +174,21 @@ def assert_fell_back(caplog, fallbacks=1):
     assert caplog.text.count("falling back to eager") == fallbacks, caplog.text
     for reason in dynbatch.fallback_reasons():
         assert reason in caplog.text, (reason, caplog.text)
+
+
+def until_traced_aside(call, timeout=300.0):
+    """Call ``call()`` (it checks its own values) until a frame traced aside (NOTE [Traced aside])
+    was handed over: with ``dynbatch.compile="background"`` its first calls run eagerly."""
+    import time
+
+    handed = dynbatch.counters().get("aside_handovers", 0)
+    deadline = time.monotonic() + timeout
+    while True:
+        call()
+        if dynbatch.counters().get("aside_handovers", 0) > handed:
+            return
+        assert time.monotonic() < deadline, f"no frame traced aside was handed over in {timeout} s: {dynbatch.counters()}"
+        time.sleep(0.01)
 
 
 def assert_backend_ran(graphs=1, batched=None):

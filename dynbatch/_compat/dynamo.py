@@ -3,14 +3,16 @@ name below is alike on 2.11-2.14 (2.11.0-2.14.1 sources); a fallback only guards
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
 
-__all__ = ["compile_cache_counts", "compile_time_totals", "dynamo_control_exceptions", "dynamo_disable", "dynamo_exceptions", "dynamo_skip_frame",
-           "dynamo_torch_function_handlers", "dynamo_utils_module", "graph_break",
-           "mark_batch_dynamic", "register_backend", "restart_analysis_exceptions",
+__all__ = ["compile_cache_counts", "compile_time_totals", "current_global_state", "dynamo_control_exceptions",
+           "dynamo_disable", "dynamo_exceptions", "dynamo_skip_frame", "dynamo_torch_function_handlers",
+           "dynamo_utils_module", "frame_compile_context", "fx_tracing_flag_is_global", "frame_runs_eagerly", "global_state_at_frame", "graph_break",
+           "mark_batch_dynamic", "no_fullgraph_count_for_this_call", "register_backend", "restart_analysis_exceptions",
            "trace_autograd_ops_enabled"]
 
 
@@ -49,6 +51,66 @@ def graph_break(gb_type: str, *, context: str, explanation: str) -> None:
     ``exc.unimplemented``, keyword-only on 2.11-2.14 (none of them has ``unimplemented_v2``)."""
     dynamo_exceptions().unimplemented(gb_type=f"dynbatch: {gb_type}", context=context,
                                       explanation=explanation, hints=[])
+
+
+def frame_runs_eagerly() -> Any:
+    """What Dynamo's frame callback returns to run this call of the frame without compiling it,
+    its callees on code already compiled or eagerly, and ask again at the next call (private
+    ``ConvertFrameReturn``; the stance "eager_then_compile" returns its like)."""
+    from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
+
+    return ConvertFrameReturn(frame_exec_strategy=FrameExecStrategy(FrameAction.DEFAULT, FrameAction.RUN_ONLY),
+                              apply_to_code=False)
+
+
+def no_fullgraph_count_for_this_call() -> None:
+    """Leave this call out of ``fullgraph=True``'s count of compiled frames: after a call that
+    counted none it raises "found no compiled frames" (2.13-2.14), and a frame run eagerly for
+    now counts none.  Private ``set_fullgraph_compiled_frame_count``: 0 starts the count, -1
+    ends it (the call's check then reads -1 and passes); it takes no other value.  2.11 has
+    no such check."""
+    from torch._C._dynamo import eval_frame
+
+    setter = getattr(eval_frame, "set_fullgraph_compiled_frame_count", None)
+    if setter is not None:
+        setter(-1)
+
+
+def fx_tracing_flag_is_global() -> bool:
+    """Whether FX's "symbolic tracing" flag is process-wide (2.11-2.13: a module global that
+    ``make_fx`` sets; 2.14 keeps it per thread, ``_is_fx_tracing_tls``).  While it is set, a call
+    of a compiled function on another thread raises "Detected that you are using FX to
+    symbolically trace a dynamo-optimized function" unless Dynamo's private config
+    ``error_on_nested_fx_trace`` is off (then the call runs eagerly)."""
+    return not hasattr(torch.fx._symbolic_trace, "_is_fx_tracing_tls")
+
+
+def frame_compile_context(compile_id: Any) -> Any:
+    """The context ``ConvertFrameAssert`` enters around ``convert_frame._compile`` (private,
+    thread-local: a frame compiled on another thread enters it there)."""
+    from torch._guards import CompileContext, compile_context
+
+    return compile_context(CompileContext(compile_id))
+
+
+@contextlib.contextmanager
+def global_state_at_frame(state: Any) -> Iterator[None]:
+    """Dynamo's global-state guard of the frame being compiled (``convert_frame.initial_global_state``,
+    a module global ``ConvertFrameAssert`` sets around ``_compile``; private)."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    saved, convert_frame.initial_global_state = convert_frame.initial_global_state, state
+    try:
+        yield
+    finally:
+        convert_frame.initial_global_state = saved
+
+
+def current_global_state() -> Any:
+    """The guard ``ConvertFrameAssert`` made for the frame now compiling on this thread."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    return convert_frame.initial_global_state
 
 
 def register_backend(fn: Callable, name: str) -> None:

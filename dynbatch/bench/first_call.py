@@ -85,8 +85,9 @@ def timed_by_phase(call) -> tuple[float, dict[str, float], dict[str, int]]:
 
 
 def handover(runner, args, start: float) -> dict[str, Any]:
-    """Steps after the first, back to back, until each program compiled in the background ran
-    its compiled code: {"calls": steps after the first, "seconds": since the first's start}."""
+    """Steps after the first, back to back, until each frame traced aside was handed over and
+    each program compiled in the background ran its compiled code: {"calls": steps after the
+    first, "seconds": since the first's start}."""
     import dynbatch
 
     calls = 0
@@ -97,7 +98,9 @@ def handover(runner, args, start: float) -> dict[str, Any]:
         after = dynbatch.counters()
         if after.get("background_compile_failures"):
             raise RuntimeError(f"a background compile failed: {after}")
-        if (before.get("background_compiles_finished", 0) == before.get("background_compiles", 0)
+        traced = after.get("aside_handovers", 0) + after.get("aside_compiled_here", 0)  # NOTE [Traced aside]
+        if (traced == after.get("traced_aside", 0) and after.get("aside_eager_calls", 0) == before.get("aside_eager_calls", 0)
+                and before.get("background_compiles_finished", 0) == before.get("background_compiles", 0)
                 and after.get("background_eager_calls", 0) == before.get("background_eager_calls", 0)):
             return {"calls": calls, "seconds": time.perf_counter() - start,
                     "programs": after.get("background_compiles", 0)}

@@ -50,7 +50,7 @@ import torch
 
 from .. import _compat, fail_soft
 from ..batching import batch_rules, zero_tangents
-from . import fake_cuda_guard, requires_grad_tracing
+from . import fake_cuda_guard, requires_grad_tracing, traced_aside
 from ..batching.batched_grad import batched_grad, forward_mode_jacobian, vmap_in_one_call
 from ..batching.grad_pass import TRACE_ERROR, UNSUPPORTED
 from .. import records
@@ -89,14 +89,45 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
         fail_soft.hook_failed("capture (convert_frame._compile with a compiler_fn parameter)", e)
         return
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         backend = args[position] if len(args) > position else kwargs.get("compiler_fn")
-        with scope_for(unwrap_backend(backend)):
+        unwrapped = unwrap_backend(backend)
+        if getattr(unwrapped, "_dynbatch_backend", False) and _traced_aside(backend):
+            # NOTE [Traced aside] in capture/traced_aside.py
+            answer = traced_aside.compile_or_aside(_compile, traced_aside.named_arguments(signature, args, kwargs))
+            if answer is not None:
+                return answer
+        with scope_for(unwrapped):
             return original(*args, **kwargs)
 
     _compile._dynbatch_original = original  # type: ignore[attr-defined]
     convert_frame._compile = _compile
+
+
+def _traced_aside(backend: Any) -> bool:
+    """Whether dynbatch's options, as ``torch.compile`` passed them, trace a frame aside."""
+    from ..options import Options
+
+    try:
+        return traced_aside.applies(Options.from_compile_args(**backend_kwargs(backend)))
+    except (ValueError, TypeError):
+        return False  # bad options: the compile here raises eager's error for them
+
+
+def backend_kwargs(fn: Any) -> dict[str, Any]:
+    """The ``mode`` and ``options`` torch.compile gave the backend (``_TorchCompileWrapper.kwargs``);
+    none for dynbatch's own compiles (chunk programs, a region's recompile: a partial)."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        kwargs = getattr(fn, "kwargs", None)
+        if isinstance(kwargs, dict) and getattr(fn, "compiler_fn", None) is not None:
+            return {k: kwargs.get(k) for k in ("mode", "options")}
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+    return {"mode": None, "options": None}
 
 
 def unwrap_backend(fn: Any) -> Any:

@@ -3,8 +3,9 @@ calls run its batched aten graph with eager kernels while Inductor compiles it i
 process; its compiled program takes over at the first call after it arrives.
 
 NOTE [Background compile]
-Where it hooks in.  AOTAutograd traces the batched graph in the user's thread as always (one
-batched backward, B symbolic).  For each aten graph (forward, backward) Inductor's inner
+Where it hooks in.  AOTAutograd traces the batched graph (one batched backward, B symbolic):
+with this option, on the thread that traces the frame aside (NOTE [Traced aside] in
+capture/traced_aside.py).  For each aten graph (forward, backward) Inductor's inner
 compile looks in its FX graph cache and, on a miss, calls its module global
 ``fx_codegen_and_compile``: lowering, codegen and the C++ build, what a first call waits for.
 Inside dynbatch's inner compile only (``compiled_in_worker``), that call pickles the graph with
@@ -25,9 +26,10 @@ the bench's force-training step's cold compile, beside 14-24 s of C++): a thread
 GIL through them, over the very calls it exists to let run.  On one core, eager training steps
 beside a compile in a thread stalled up to 204 ms (p99 9.3 ms, alone 1.6 ms); beside the worker,
 up to 13 ms.  The worker is Inductor's ``SubprocPool``: a sidecar that starts its worker from a
-fresh interpreter (never a fork of the user's); its reader thread waits on a pipe.  The user's
-thread pays the pickling (0.1-0.2 s for the bench's training step) and, at the handover, the
-loading of the program.
+fresh interpreter (never a fork of the user's); its reader thread waits on a pipe.  The thread
+that traces the frame pays the pickling (0.1-0.2 s for the bench's training step), the user's
+thread, at the handover, the loading of the program.  (The trace itself must be a thread's:
+it reads the frame's objects.)
 
 What the worker must get.  dynbatch's patches of Inductor (``inductor.inductor_patched``: the
 scheduler fix, the extern convolutions, the routed products, the strides without sympy's

@@ -1,0 +1,193 @@
+"""A frame traced aside: with ``options={"dynbatch.compile": "background"}`` a frame's first
+calls run eagerly while Dynamo traces it on another thread (NOTE [Traced aside] in
+dynbatch/capture/traced_aside.py).  Every call must give eager's values, before, at and after
+the handover; the counters must say which ran; a state that changed since the first call
+must compile on the calling thread, never run a graph traced for another; no thread may be
+left behind.  The inner compiler is aot_eager here (test_background_compile.py runs the
+Inductor worker behind it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+import dynbatch
+from conftest import assert_backend_ran, assert_same_grads, compile_dynbatch, until_traced_aside
+from dynbatch.capture import traced_aside
+from test_background_compile import checked_vjp_call, vjp_rows
+
+ASIDE = {"dynbatch.compile": "background"}
+
+
+def _counts():
+    c = dynbatch.counters()
+    return {k: c.get(k, 0) for k in ("traced_aside", "aside_eager_calls", "aside_handovers", "aside_guard_misses")}
+
+
+def _aside_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("dynbatch-trace-aside")]
+
+
+def test_the_first_calls_run_eagerly_until_the_trace_aside_is_handed_over():
+    call = checked_vjp_call(compile_dynbatch(vjp_rows, options=ASIDE))
+    call()
+    assert _counts() == {"traced_aside": 1, "aside_eager_calls": 1, "aside_handovers": 0, "aside_guard_misses": 0}
+    until_traced_aside(call)
+    handed = _counts()
+    assert handed["traced_aside"] == 1 and handed["aside_handovers"] == 1, handed
+    assert not _aside_threads()
+    assert_backend_ran(graphs=1, batched=1)
+    # A repeat compiles nothing and runs the compiled code.
+    for _ in range(3):
+        call()
+    assert _counts() == handed
+    assert_backend_ran(graphs=1, batched=1)
+
+
+class ForcesModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, pos):
+        pos.requires_grad_(True)
+        diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+        r = ((diff * diff).sum(-1) + torch.eye(pos.shape[0], dtype=pos.dtype)).sqrt()
+        energy = (self.mlp(r.unsqueeze(-1)).squeeze(-1) * torch.ones_like(r).triu(1)).sum()
+        return energy, -torch.autograd.grad(energy, pos, create_graph=True)[0]
+
+
+def _training_step(model):
+    def step(pos, e_ref, f_ref):
+        energy, forces = model(pos)
+        loss = (energy - e_ref) ** 2 + ((forces - f_ref) ** 2).mean()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def test_a_compiled_training_step_gets_eager_grads_while_its_calls_set_them():
+    """Each step sets every parameter's ``.grad``, which the trace reads: it traces a copy
+    made at the first call, so its graph and its guards agree (the live objects changed
+    under it: Dynamo failed building a guard on a ``.grad``)."""
+    torch.manual_seed(0)
+    eager = ForcesModel().double()
+    model = ForcesModel().double()
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(_training_step(model), backend="dynbatch", fullgraph=True, options=ASIDE)
+    gen = torch.Generator().manual_seed(1)
+
+    def call():
+        pos = torch.randn(6, 3, dtype=torch.float64, generator=gen)
+        e_ref = torch.randn((), dtype=torch.float64, generator=gen)
+        f_ref = torch.randn(6, 3, dtype=torch.float64, generator=gen)
+        for m in (model, eager):
+            for p in m.parameters():
+                p.grad = None
+        loss = compiled(pos, e_ref, f_ref)
+        assert_same_grads(loss, _training_step(eager)(pos.clone(), e_ref, f_ref))
+        assert_same_grads(tuple(p.grad for p in model.parameters()), tuple(p.grad for p in eager.parameters()))
+
+    until_traced_aside(call)
+    for _ in range(2):
+        call()
+    c = _counts()
+    assert c["aside_handovers"] == 1 and c["aside_guard_misses"] == 0, c
+    assert_backend_ran(graphs=1)
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2  # a Python int: Dynamo specialises the graph on it
+
+    def forward(self, x, V):
+        return vjp_rows(x, V) * self.scale
+
+
+def test_a_state_changed_since_the_first_call_compiles_on_the_calling_thread(caplog):
+    model = Scaled()
+    compiled = compile_dynbatch(model, options=ASIDE)
+    x, V = torch.randn(5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64)
+    assert_same_grads(compiled(x, V), model(x, V))  # the trace aside copies scale = 2
+    model.scale = 3
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        while _counts()["aside_guard_misses"] == 0:
+            assert_same_grads(compiled(x, V), model(x, V))  # eagerly, then compiled here: scale = 3
+            assert _counts()["aside_handovers"] == 0, _counts()
+    assert "its guards fail on this call's objects" in caplog.text, caplog.text
+    for _ in range(2):
+        assert_same_grads(compiled(x, V), model(x, V))
+    # The graph traced aside (scale = 2) and the one compiled here (scale = 3); no other.
+    assert_backend_ran(graphs=2, batched=2)
+    assert _counts()["aside_handovers"] == 0
+
+
+def test_a_recompile_traces_on_the_calling_thread_with_the_reason_logged(caplog):
+    compiled = compile_dynbatch(vjp_rows, options=ASIDE)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    until_traced_aside(lambda: compiled(x, torch.randn(3, 5, 6, dtype=torch.float64)))
+    before = _counts()
+    y, V = torch.randn(7, 6, dtype=torch.float64), torch.randn(3, 7, 6, dtype=torch.float64)
+    with caplog.at_level(logging.INFO, logger="dynbatch"):
+        got = compiled(y, V)  # 7 rows, not 5: the guards fail, a recompile
+    assert_same_grads(got, vjp_rows(y, V))
+    assert "a recompile" in caplog.text, caplog.text
+    assert _counts() == before
+    assert_backend_ran(graphs=2, batched=2)
+
+
+def test_random_numbers_drawn_while_a_frame_is_traced_aside_are_not_drawn_again():
+    """Dynamo restores the generator state it saved when its trace began; on the thread
+    that restore would rewind the numbers the user's calls drew meanwhile."""
+    compiled = compile_dynbatch(vjp_rows, options=ASIDE)
+    x, V = torch.randn(5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64)
+    drawn = []
+    until_traced_aside(lambda: (compiled(x, V), drawn.append(torch.rand(4))))
+    drawn += [torch.rand(4) for _ in range(50)]
+    assert len(drawn) > 50
+    assert len({tuple(d.tolist()) for d in drawn}) == len(drawn), "a random number was drawn twice"
+    assert torch.random.set_rng_state is traced_aside._set_rng_state  # restored once no trace runs
+
+
+def test_reset_waits_for_a_trace_aside_and_leaves_no_thread():
+    compiled = compile_dynbatch(vjp_rows, options=ASIDE)
+    x, V = torch.randn(5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64)
+    assert_same_grads(compiled(x, V), vjp_rows(x, V))
+    assert _counts()["traced_aside"] == 1
+    dynbatch.reset()
+    assert not _aside_threads()
+    assert traced_aside._ASIDE == {}
+    assert_same_grads(compiled(x, V), vjp_rows(x, V))
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_graph_break_is_met_as_on_the_calling_thread(fullgraph):
+    def breaks(x, V):
+        torch._dynamo.graph_break()
+        return vjp_rows(x, V)
+
+    x, V = torch.randn(5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64)
+    compiled = compile_dynbatch(breaks, options=ASIDE, fullgraph=fullgraph)
+    deadline = time.monotonic() + 300
+    if fullgraph:  # eagerly while it is traced aside; then the trace's error, raised here
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            while time.monotonic() < deadline:
+                assert_same_grads(compiled(x, V), vjp_rows(x, V))
+        assert _counts()["aside_handovers"] == 0
+        return
+    # The frame's code before the break, then the code after it (its resume function, or on
+    # torch 2.11 the function it calls), each traced aside or compiled here, until one graph ran.
+    while dynbatch.counters().get("graphs", 0) == 0 or _counts()["traced_aside"] > _counts()["aside_handovers"]:
+        assert_same_grads(compiled(x, V), vjp_rows(x, V))
+        assert time.monotonic() < deadline, _counts()
+    before = _counts()
+    assert_same_grads(compiled(x, V), vjp_rows(x, V))
+    assert _counts() == before
+    assert_backend_ran(graphs=1, batched=1)
