@@ -17,7 +17,8 @@ call with eager's: a second batch as MD over a dataset meets it.  ``--sizes`` se
 compile sees the batch's sizes: ``static`` (torch.compile's default: static first, then
 Dynamo recompiles with the sizes that changed dynamic), ``marked`` (each tensor's atom, edge
 or graph count marked dynamic before the first call, ``mark_batch_dynamic``) or ``dynamic``
-(``torch.compile(dynamic=True)``); ``--background`` compiles with
+(``torch.compile(dynamic=True)``); ``--eager`` makes the same calls on the model uncompiled
+(the first call's baseline); ``--background`` compiles with
 ``options={"dynbatch.compile": "background"}`` and then calls the first batch again until
 every program compiled in the background has taken over (``handover``);
 ``--without-aot-cache`` with ``options={"dynbatch.aot_cache": False}``,
@@ -67,6 +68,8 @@ def parse_args(argv) -> argparse.Namespace:
                         help='options={"dynbatch.aot_cache": "with_backward"}')
     parser.add_argument("--stock", action="store_true",
                         help="stock torch.compile (Inductor) with MACE's own preparation, for a side-by-side run")
+    parser.add_argument("--eager", action="store_true",
+                        help="the same calls on the model uncompiled: the first call's baseline (--background's)")
     return parser.parse_args(argv)
 
 
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     except VariantUnavailable as e:
         raise SystemExit(f"dynbatch-bench mace_compile: {e}") from None
     program_of = functools.partial(mace_workload._program, call, model)
+    if args.eager and (args.stock or args.background or args.without_aot_cache or args.aot_cache_with_backward):
+        raise SystemExit("dynbatch-bench mace_compile: --eager runs the model uncompiled, without other options")
     if args.stock and (args.call == "hessian" or args.background or args.without_aot_cache
                        or args.aot_cache_with_backward):
         raise SystemExit("dynbatch-bench mace_compile: --stock runs training_step, inference_forces or "
@@ -96,8 +101,9 @@ def main(argv=None) -> int:
     # The first call's seconds include torch.compile's own: stock's imports Inductor there,
     # dynbatch's at the first call.
     start = time.perf_counter()
-    compiled = torch.compile(with_own_forward(model), dynamic=True if args.sizes == "dynamic" else None,
-                             **({} if args.stock else {"backend": "dynbatch", "options": options}))
+    compiled = model if args.eager else torch.compile(
+        with_own_forward(model), dynamic=True if args.sizes == "dynamic" else None,
+        **({} if args.stock else {"backend": "dynbatch", "options": options}))
     compile_seconds = time.perf_counter() - start
     run = (lambda batch, **kwargs: compiled(mark_batch_dynamic(batch), **kwargs)) if args.sizes == "marked" \
         else compiled
@@ -113,7 +119,8 @@ def main(argv=None) -> int:
             if name == "first":
                 seconds, phases = seconds + compile_seconds, {"torch.compile": compile_seconds, **phases}
             error = (got[0] - program_of(model)(at.batch, at.e_ref, at.f_ref)).abs().max()
-            split = ", ".join(f"{p} {phases[p]:.1f}" for p in ("torch.compile", *records.PHASES) if phases.get(p))
+            split = "" if args.eager else ", ".join(f"{p} {phases[p]:.1f}" for p in ("torch.compile", *records.PHASES)
+                                                    if phases.get(p))
             print(f"{args.call} {name} call: {seconds:.4g} s (max difference from eager {error:.2g})"
                   + (f"; {split}" if split else ""))
     if args.background:
