@@ -29,12 +29,15 @@ is handed over; where they fail (the state changed since the first call), the fr
 here, as without the option.  What the copy cannot hold: an object a global names that the
 calls change in place (a global list a step appends to) is read live.
 
-What stays on the user's thread: a first call pays the copy (1 ms for the bench's step) and the
-thread's start; the trace waits until the first call has returned (it would take the GIL from
-it).  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
+What stays on the user's thread: a first call pays the copy (1 ms for the bench's step, 20 ms
+for MACE's) and the thread's start; the trace waits until the first call has returned (it
+would take the GIL from it).  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
 the GIL up, and would otherwise wait up to 5 ms to get it back.  Dynamo restores the CPU
 generator's state it saved when a trace began; on the thread that restore is skipped, so the
-user's calls meanwhile never see their random numbers again.
+user's calls meanwhile never see their random numbers again.  Where FX's tracing flag is
+process-wide (torch < 2.14), a compiled function called while the trace is inside ``make_fx``
+would raise "Detected that you are using FX to symbolically trace a dynamo-optimized function":
+Dynamo's ``error_on_nested_fx_trace`` is off meanwhile, so that call runs eagerly.
 
 Where it does not apply (the frame compiles here, the reason at INFO): a recompile (a frame with
 compiled code already), a frame called under a torch function or dispatch mode or inside a
