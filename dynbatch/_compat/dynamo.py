@@ -11,9 +11,9 @@ import torch
 
 __all__ = ["compile_cache_counts", "compile_time_totals", "current_global_state", "dynamo_control_exceptions",
            "dynamo_disable", "dynamo_exceptions", "dynamo_skip_frame", "dynamo_torch_function_handlers",
-           "dynamo_utils_module", "frame_compile_context", "fx_tracing_flag_is_global", "frame_runs_eagerly", "global_state_at_frame", "graph_break",
-           "mark_batch_dynamic", "no_fullgraph_count_for_this_call", "register_backend", "restart_analysis_exceptions",
-           "trace_autograd_ops_enabled"]
+           "dynamo_utils_module", "frame_compile_context", "frame_runs_eagerly", "fx_tracing_flag_is_global",
+           "global_state_at_frame", "graph_break", "mark_batch_dynamic", "no_fullgraph_count_for_this_call",
+           "register_backend", "restart_analysis_exceptions", "trace_autograd_ops_enabled"]
 
 
 def trace_autograd_ops_enabled() -> Any:

@@ -97,7 +97,8 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
         unwrapped = unwrap_backend(backend)
         if getattr(unwrapped, "_dynbatch_backend", False) and _traced_aside(backend):
             # NOTE [Traced aside] in capture/traced_aside.py
-            answer = traced_aside.compile_or_aside(_compile, traced_aside.named_arguments(signature, args, kwargs))
+            # By name: _compile's parameters differ between releases.
+            answer = traced_aside.compile_or_aside(_compile, dict(signature.bind(*args, **kwargs).arguments))
             if answer is not None:
                 return answer
         with scope_for(unwrapped):
@@ -112,12 +113,12 @@ def _traced_aside(backend: Any) -> bool:
     from ..options import Options
 
     try:
-        return traced_aside.applies(Options.from_compile_args(**backend_kwargs(backend)))
+        return traced_aside.applies(Options.from_compile_args(**_backend_kwargs(backend)))
     except (ValueError, TypeError):
         return False  # bad options: the compile here raises eager's error for them
 
 
-def backend_kwargs(fn: Any) -> dict[str, Any]:
+def _backend_kwargs(fn: Any) -> dict[str, Any]:
     """The ``mode`` and ``options`` torch.compile gave the backend (``_TorchCompileWrapper.kwargs``);
     none for dynbatch's own compiles (chunk programs, a region's recompile: a partial)."""
     seen = set()

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
-import inspect
 import logging
 import os
 import sys
@@ -402,8 +401,3 @@ class _Frozen:
         copied.__dict__.update({k: self(v) for k, v in value.__dict__.items()})
         return copied
 
-
-def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """``convert_frame._compile``'s arguments by name (its parameters differ between releases)."""
-    bound = signature.bind(*args, **kwargs)
-    return dict(bound.arguments)
