@@ -135,14 +135,14 @@ def _on_a_device_thread(backward):
     has the caller's dispatch keys (legacy vmap's among them) and grad mode, but
     not vmap's level count."""
 
-    def run(*args):
+    def run(*args, **kwargs):
         grad_mode, out = torch.is_grad_enabled(), []
 
         def thread():
             torch._C._dispatch_tls_set_dispatch_key_included("VmapMode", True)
             with torch.set_grad_enabled(grad_mode):
                 try:
-                    out.append(backward(*args))
+                    out.append(backward(*args, **kwargs))
                 except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                     out.append(e)
 

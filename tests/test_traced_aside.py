@@ -196,3 +196,50 @@ def test_a_graph_break_is_met_as_on_the_calling_thread(fullgraph):
     assert_same_grads(compiled(x, V), vjp_rows(x, V))
     assert _counts() == before
     assert_backend_ran(graphs=1, batched=1)
+
+
+def _outside_paths():
+    return {k: v for k, v in dynbatch.counters().items() if k.startswith("outside_")}
+
+
+def test_a_hessian_around_a_compiled_model_waits_for_none_of_its_outside_programs():
+    """``functional.hessian`` around a compiled PaiNN-style model (NOTE [Outside paths aside] in
+    dynbatch/region/paths.py): the forward that returns the energy's grads is a frame traced
+    aside, the batched backward of its saved activations compiles on a thread; meanwhile each
+    Hessian is eager's, by the eager path.  Nothing else compiles for the request (no
+    recomputing program), and once both have arrived a repeat compiles nothing."""
+    import torch.autograd.functional as AF
+
+    from test_outside import MessagePassing
+
+    torch.manual_seed(0)
+    model = MessagePassing().double()
+    m = compile_dynbatch(model, fullgraph=False, options=ASIDE)
+    pos = torch.randn(6, 3, dtype=torch.float64)
+
+    def call():
+        assert_same_grads(AF.hessian(m, pos, vectorize=True), AF.hessian(model, pos, vectorize=True))
+
+    deadline = time.monotonic() + 300
+    while _counts()["aside_handovers"] < 2 or not _outside_paths().get("outside_batched_saved"):
+        call()
+        assert time.monotonic() < deadline, (_counts(), _outside_paths())
+        time.sleep(0.01)
+    first = dict(dynbatch.counters()), sum(torch._dynamo.utils.counters["frames"].values())
+    paths = _outside_paths()
+    # The model's frame and the forward with grads were traced aside; the outside programs'
+    # first calls ran eagerly; the one path per request is the saved activations'.
+    assert _counts()["traced_aside"] == 2 and _counts()["aside_guard_misses"] == 0, _counts()
+    assert dynbatch.counters().get("compiled_aside") == 1, dynbatch.counters()  # the saved activations' program
+    assert paths.get("outside_eager_while_aside", 0) >= 2, paths
+    assert "outside_batched_compiled" not in paths and "outside_eager" not in paths, paths
+    for _ in range(2):
+        call()
+    again = dynbatch.counters()
+    assert {k: v for k, v in again.items() if not k.startswith("outside_")} == \
+        {k: v for k, v in first[0].items() if not k.startswith("outside_")}, (first[0], again)
+    assert sum(torch._dynamo.utils.counters["frames"].values()) == first[1]
+    assert _outside_paths() == {**paths, "outside_grads_at_forward": paths["outside_grads_at_forward"] + 2,
+                                "outside_batched_saved": paths["outside_batched_saved"] + 2}
+    dynbatch.reset()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("dynbatch-trace-aside", "dynbatch-compile-aside"))]

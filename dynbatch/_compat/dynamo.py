@@ -12,8 +12,9 @@ import torch
 __all__ = ["compile_cache_counts", "compile_time_totals", "current_global_state", "dynamo_control_exceptions",
            "dynamo_disable", "dynamo_exceptions", "dynamo_skip_frame", "dynamo_torch_function_handlers",
            "dynamo_utils_module", "frame_compile_context", "frame_runs_eagerly", "fx_tracing_flag_is_global",
-           "global_state_at_frame", "graph_break", "mark_batch_dynamic", "no_fullgraph_count_for_this_call",
-           "register_backend", "restart_analysis_exceptions", "trace_autograd_ops_enabled"]
+           "global_state_at_frame", "graph_break", "mark_batch_dynamic", "nested_fx_trace_errors_set",
+           "no_fullgraph_count_for_this_call", "register_backend", "restart_analysis_exceptions",
+           "trace_autograd_ops_enabled"]
 
 
 def trace_autograd_ops_enabled() -> Any:
@@ -83,6 +84,26 @@ def fx_tracing_flag_is_global() -> bool:
     symbolically trace a dynamo-optimized function" unless Dynamo's private config
     ``error_on_nested_fx_trace`` is off (then the call runs eagerly)."""
     return not hasattr(torch.fx._symbolic_trace, "_is_fx_tracing_tls")
+
+
+def nested_fx_trace_errors_set(value: bool) -> Callable[[], None]:
+    """Dynamo's private ``error_on_nested_fx_trace`` set to ``value`` on every thread; returns
+    what undoes it.  Where a config entry keeps the value code sets per context (2.13: a
+    ContextVar, so a thread's own), the entry's forced value, which every context reads
+    first, carries it; elsewhere the module attribute does."""
+    config = torch._dynamo.config
+    entry = getattr(config, "_config", {}).get("error_on_nested_fx_trace")
+    if entry is not None and hasattr(entry, "user_override") and hasattr(entry, "env_value_force"):
+        previous = entry.env_value_force
+
+        def undo() -> None:
+            entry.env_value_force = previous
+
+        entry.env_value_force = value
+        return undo
+    previous = config.error_on_nested_fx_trace
+    config.error_on_nested_fx_trace = value
+    return lambda: setattr(config, "error_on_nested_fx_trace", previous)
 
 
 def frame_compile_context(compile_id: Any) -> Any:

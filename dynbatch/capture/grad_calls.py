@@ -119,14 +119,20 @@ def _traced_aside(backend: Any) -> bool:
 
 
 def _backend_kwargs(fn: Any) -> dict[str, Any]:
-    """The ``mode`` and ``options`` torch.compile gave the backend (``_TorchCompileWrapper.kwargs``);
-    none for dynbatch's own compiles (chunk programs, a region's recompile: a partial)."""
+    """The ``mode`` and ``options`` torch.compile gave the backend (``_TorchCompileWrapper.kwargs``),
+    or a region's program was compiled with (backend.py's partial); none for a chunk program,
+    which runs inside its graph's compiled code."""
     seen = set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
         kwargs = getattr(fn, "kwargs", None)
-        if isinstance(kwargs, dict) and getattr(fn, "compiler_fn", None) is not None:
+        if isinstance(kwargs, dict) and getattr(fn, "compiler_fn", None) is not None and (
+                kwargs.get("mode") is not None or kwargs.get("options") is not None):
             return {k: kwargs.get(k) for k in ("mode", "options")}
+        if isinstance(fn, functools.partial):
+            if fn.keywords.get("chunk_program"):
+                break
+            return {k: fn.keywords.get(k) for k in ("mode", "options")}
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
     return {"mode": None, "options": None}
 

@@ -37,7 +37,14 @@ generator's state it saved when a trace began; on the thread that restore is ski
 user's calls meanwhile never see their random numbers again.  Where FX's tracing flag is
 process-wide (torch < 2.14), a compiled function called while the trace is inside ``make_fx``
 would raise "Detected that you are using FX to symbolically trace a dynamo-optimized function":
-Dynamo's ``error_on_nested_fx_trace`` is off meanwhile, so that call runs eagerly.
+Dynamo's ``error_on_nested_fx_trace`` is off meanwhile, on every thread (2.13 keeps a value
+set in code per thread: ``_compat.nested_fx_trace_errors_set``), so that call runs eagerly.
+
+dynbatch's own programs.  A region's programs (a vjp, a forward that returns its grads) are
+frames compiled with the graph's options, traced aside the same way; a compile that is no
+frame's (the batched backward of a graph's saved activations) runs on a thread through
+``compile_aside``.  What their calls do meanwhile: NOTE [Outside paths aside] in
+region/paths.py.
 
 Where it does not apply (the frame compiles here, the reason at INFO): a recompile (a frame with
 compiled code already), a frame called under a torch function or dispatch mode or inside a
@@ -74,11 +81,12 @@ _LOCK = threading.Lock()
 _ASIDE: dict[types.CodeType, "_Aside"] = {}
 _ON_THREAD = threading.local()  # set on a thread that traces aside
 _STOPPING = threading.Event()  # shutdown: a trace waits no longer for its first call to return
+_OWN_COMPILES: set[threading.Thread] = set()  # compile_aside's threads
 
 
 def applies(options: Any) -> bool:
     """Whether a frame compiled with ``options`` (dynbatch's, parsed) is traced aside."""
-    return options.compile == "background" and not getattr(_ON_THREAD, "tracing", False)
+    return options.compile == "background" and not on_thread()
 
 
 def compile_or_aside(compile_frame: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -110,6 +118,39 @@ def compile_or_aside(compile_frame: Callable[..., Any], arguments: dict[str, Any
     return aside.hand_over(arguments)
 
 
+def running(code: types.CodeType | None) -> bool:
+    """Whether ``code``'s frame is traced aside now: its call just now ran eagerly."""
+    return bool(_ASIDE) and code in _ASIDE  # (read without the lock: a dict lookup)
+
+
+def on_thread() -> bool:
+    """Whether this is a thread that traces aside: a compile it needs runs here."""
+    return getattr(_ON_THREAD, "tracing", False)
+
+
+def compile_aside(name: str, compile_now: Callable[[], None]) -> threading.Thread:
+    """Run ``compile_now`` (a compile of dynbatch's own, not a frame's) on a thread, as a frame's
+    trace runs: once the calling frame has returned, joined by ``shutdown``."""
+    caller, calling_frame = threading.get_ident(), sys._getframe(1)
+
+    def run() -> None:
+        _ON_THREAD.tracing = True
+        try:
+            _wait_while_running(caller, calling_frame)
+            with _switching_often():
+                compile_now()
+        finally:
+            with _LOCK:
+                _OWN_COMPILES.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=f"dynbatch-compile-aside-{name}", daemon=True)
+    with _LOCK:
+        _OWN_COMPILES.add(thread)
+    thread.start()
+    STATS.count("compiled_aside")
+    return thread
+
+
 def _here(code: types.CodeType, reason: str) -> None:
     log.info("dynbatch: %s is traced on the calling thread (dynbatch.compile='background'): %s",
              code.co_name, reason)
@@ -132,12 +173,13 @@ def _thread_local_state() -> str | None:
 def shutdown() -> None:
     """Wait for the traces running aside and forget them (``dynbatch.reset()``)."""
     with _LOCK:
-        asides = list(_ASIDE.values())
+        threads = [aside.thread for aside in _ASIDE.values()] + list(_OWN_COMPILES)
         _ASIDE.clear()
+        _OWN_COMPILES.clear()
     _STOPPING.set()  # (shutdown may be called from within a first call)
     try:
-        for aside in asides:
-            aside.thread.join()
+        for thread in threads:
+            thread.join()
     finally:
         _STOPPING.clear()
 
@@ -245,7 +287,7 @@ def _wait_while_running(thread_id: int, calling: types.FrameType | None) -> None
 
 
 _switch_users = 0
-_switch_saved: tuple[float, bool] = (0.0, True)
+_switch_saved: tuple[float, Callable[[], None] | None] = (0.0, None)
 
 
 @contextlib.contextmanager
@@ -254,13 +296,13 @@ def _switching_often() -> Iterator[None]:
     tracing flag is process-wide) a compiled function called meanwhile runs eagerly while the
     trace is inside ``make_fx``, instead of raising (``_compat.fx_tracing_flag_is_global``)."""
     global _switch_users, _switch_saved
-    config = torch._dynamo.config
     with _LOCK:
         if _switch_users == 0:
-            _switch_saved = (sys.getswitchinterval(), config.error_on_nested_fx_trace)
-            sys.setswitchinterval(min(SWITCH_INTERVAL, _switch_saved[0]))
-            if _compat.fx_tracing_flag_is_global():
-                config.error_on_nested_fx_trace = False
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_INTERVAL, interval))
+            # On every thread: the calls that must not raise are the user's.
+            undo = _compat.nested_fx_trace_errors_set(False) if _compat.fx_tracing_flag_is_global() else None
+            _switch_saved = (interval, undo)
         _switch_users += 1
     try:
         yield
@@ -268,8 +310,10 @@ def _switching_often() -> Iterator[None]:
         with _LOCK:
             _switch_users -= 1
             if _switch_users == 0:
-                sys.setswitchinterval(_switch_saved[0])
-                config.error_on_nested_fx_trace = _switch_saved[1]
+                interval, undo = _switch_saved
+                sys.setswitchinterval(interval)
+                if undo is not None:
+                    undo()
 
 
 _generator_users = 0

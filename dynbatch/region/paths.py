@@ -24,21 +24,24 @@ from .aot_node import aot_call_over_leaves, backward_called_directly
 from .args import select, spread
 from .which_vmap import batching_of
 from .create_graph import EAGER, create_graph_backward, grads_from_forward
-from .saved_backward import SAVED, batched_grads
+from .saved_backward import COMPILING_ASIDE, SAVED, batched_grads
 
 # Counter names (dynbatch.counters()): a backward from outside answered by AOTAutograd's
 # compiled backward, by the program's compiled batched backward (which recomputes the
 # forward), or per sample; saved_backward.SAVED counts the saved activations' path.
 PLAIN, BATCHED, LOOP = "outside_plain", "outside_batched_compiled", "outside_per_sample"
+# ... or eagerly while the program it would run compiles aside (NOTE [Outside paths aside]).
+ASIDE = "outside_eager_while_aside"
 UNKNOWN = object()  # backward's batching, not yet read from the cotangents
 
 
 def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_grads, first_grad, call=None,
-             batching=UNKNOWN):
+             batching=UNKNOWN, ran_eagerly=False):
     """Pick the path for one backward call (NOTE [Region backward] in region/edge.py).  ``call``:
     AOTAutograd's node that made the outputs, where the caller knows it (region/direct.py);
     otherwise it is found in the inner graph, if that is one such node over the leaves.
-    ``batching``: ``batching_of`` the cotangents, where the caller has it already."""
+    ``batching``: ``batching_of`` the cotangents, where the caller has it already.
+    ``ran_eagerly``: the program's forward ran eagerly, its compile traced aside."""
     cotangents = [g for _, g in out_grads]
     if batching is UNKNOWN:
         batching = batching_of(cotangents)
@@ -48,6 +51,8 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
             return grads
         # Asked for other grads, or a plain backward that left them unused.
         program.missed = program.missed or torch.is_grad_enabled() or all(k < first_grad for k, _ in out_grads)
+    if ran_eagerly:
+        return _while_aside(program, inputs, leaves, others, inner, out_grads, needed)
     if torch.is_grad_enabled():
         return create_graph_backward(program, inputs, others, out_grads, needed, batching)
     if batching is not None and batching.compiled_outside() and not program.random_ops:
@@ -57,6 +62,9 @@ def backward(program, inputs, leaves, others, inner, out_grads, needed, forward_
         if grads is not None:
             STATS.count(counter)
             return rewrap(grads)
+        if counter == ASIDE:  # its program compiles aside: eager answers meanwhile
+            STATS.count(ASIDE)
+            return program.eager_backward(inputs, others, out_grads, needed, create_graph=False)
     inner_backward = functools.partial(_inner_backward, inner, leaves, [k for k, _ in out_grads], needed)
     if batching is None:
         STATS.count(PLAIN)
@@ -78,9 +86,32 @@ def _legacy_batched(program, inputs, others, physical, needed, batch_size, aot_c
     per request])."""
     if not (program.creates_graph and any(g.device.type != "cpu" for _, g in physical)):
         grads = batched_grads(program, aot_call(), physical, needed, batch_size)
+        if grads is COMPILING_ASIDE:
+            return None, ASIDE
         if grads is not None:
             return grads, SAVED
     return program.compiled_backward(inputs, others, physical, needed, batched=True), BATCHED
+
+
+# NOTE [Outside paths aside]
+# With dynbatch.compile='background' no call waits for a trace (NOTE [Traced aside] in
+# capture/traced_aside.py), the outside paths' programs included.  A program compiled by
+# Dynamo (a vjp, a forward that returns its grads) is a frame like any other: traced aside,
+# its calls run it eagerly meanwhile, and a backward through such a call answers from the
+# eager graph that call made (``_while_aside``).  A program of the saved activations is
+# compiled aside on a thread of its own (region/saved_backward.py); meanwhile the backward
+# re-runs the program eagerly.  Either way nothing else compiles for the request: once the
+# program arrives, the request takes the path it would have taken from its first call.
+
+def _while_aside(program, inputs, leaves, others, inner, out_grads, needed):
+    """The grads of a call whose forward ran eagerly (its program traced aside): eager's, from
+    the graph that forward made, or (create_graph, whose grads must reach the inputs) a re-run."""
+    STATS.count(ASIDE)
+    if torch.is_grad_enabled():
+        return program.eager_backward(inputs, others, out_grads, needed, create_graph=True)
+    return spread(torch.autograd.grad([inner[k] for k, _ in out_grads], select(leaves, needed),
+                                      [g for _, g in out_grads], retain_graph=_compat.backward_keeps_graph(),
+                                      allow_unused=True), needed)
 
 
 # NOTE [One path per request]

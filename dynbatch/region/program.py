@@ -20,7 +20,7 @@ import torch
 
 from .. import _compat
 from . import paths
-from ..capture import requires_grad_tracing
+from ..capture import requires_grad_tracing, traced_aside
 from .args import merge, select, spread
 from .which_vmap import batching_of
 
@@ -56,6 +56,7 @@ class Program:
         # recompute it (NOTE [One path per request] in region/paths.py).
         self.creates_graph = creates_graph
         self._compiled = compiled
+        self._code: types.CodeType | None = None  # what Dynamo compiles of it, once asked
         self.random_ops = random_ops
         # Positions in ``others`` that the program writes in place (a BatchNorm's running
         # statistics): a recompute writes fresh copies (NOTE [Recomputes see the inputs as
@@ -75,8 +76,15 @@ class Program:
     @property
     def compiled(self) -> Callable:
         if self._compiled is None:
-            self._compiled = self.recompile(_own_code(self.python, self.name))
+            own = _own_code(self.python, self.name)
+            self._code = own.__code__
+            self._compiled = self.recompile(own)
         return self._compiled
+
+    def traced_aside(self) -> bool:
+        """Whether its compile is traced aside now (NOTE [Traced aside] in capture/traced_aside.py):
+        a call just now ran it eagerly."""
+        return traced_aside.running(self._code)
 
     def vjp(self, receives: tuple[bool, ...], needed: tuple[bool, ...], *, batched: bool = False) -> Program:
         """The program of this one's vjp: cotangents for the outputs in ``receives``,
@@ -246,6 +254,7 @@ class _ProgramFunction(torch.autograd.Function):
         finally:
             CALLER_ALIASES.active = False
         diff = tuple(k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        ctx.ran_eagerly = program.traced_aside()
         if program.region is not None and not program.region.direct_learnt:
             program.region.learn_direct(outs, diff, leaves, others)
         ctx.program, ctx.diff, ctx.n = program, diff, n_inputs
@@ -289,7 +298,7 @@ class _ProgramFunction(torch.autograd.Function):
         if not out_grads or not any(needed):
             return (None, None, None, *(None,) * len(ctx.others))
         grads_in = paths.backward(program, inputs, leaves, others, inner, out_grads, needed,
-                                            forward_grads, ctx.first_grad)
+                                  forward_grads, ctx.first_grad, ran_eagerly=ctx.ran_eagerly)
         if program.grads_ignore is not None and all(k >= ctx.first_grad for k, _ in out_grads):
             # Eager's None, where AOTAutograd's backward gives zeros (_inputs_the_grads_ignore).
             grads_in = tuple(None if ignored else g for g, ignored in zip(grads_in, program.grads_ignore))

@@ -29,6 +29,7 @@ import torch.fx
 
 from .. import _compat, fail_soft, records
 from ..batching import batch_rules, markers
+from ..capture import traced_aside
 from ..lowering import aot_cache, inductor
 from ..planning import memory
 from ..records import STATS, CompileRecord
@@ -43,6 +44,9 @@ SAVED = "outside_batched_saved"
 MAX_PROGRAMS = 8
 # The memory plan's name of the one batched backward in a program (markers.mark).
 _PLAN_NAME = "saved_activations_backward"
+# Why a call gets no grads from here yet: with dynbatch.compile='background', the program its
+# arguments need compiles on a thread (NOTE [Outside paths aside] in region/paths.py).
+COMPILING_ASIDE = "its program compiles aside (dynbatch.compile='background')"
 
 
 # NOTE [Batched grads from the saved activations]
@@ -83,14 +87,15 @@ _PLAN_NAME = "saved_activations_backward"
 # made while the program compiles), and one program serves every chunk.
 
 def batched_grads(program: Any, call: AotCall | None, out_grads: Sequence[tuple[int, torch.Tensor]],
-                  needed: tuple[bool, ...], batch_size: int) -> tuple | None:
+                  needed: tuple[bool, ...], batch_size: int) -> tuple | str | None:
     """The grads of ``program``'s needed inputs (physical [B, ...], None where not needed)
     for the physical cotangents ``out_grads``, from what ``call``'s forward saved; None
-    where the recompute path must answer (NOTE [Batched grads from the saved activations])."""
+    where the recompute path must answer (NOTE [Batched grads from the saved activations]);
+    COMPILING_ASIDE where they will come from here once their program has compiled."""
     if program.options is None:
         return None  # compiled with options this module does not know
     grads = _from_saved_activations(program, call, out_grads, needed, batch_size)
-    if isinstance(grads, tuple):
+    if isinstance(grads, tuple) or grads is COMPILING_ASIDE:
         return grads
     program.log_once(f"saved backward: {grads}", "dynbatch: batched grads through a compiled graph "
                      "recompute its forward (not from its saved activations: %s)", grads)
@@ -234,7 +239,8 @@ class SavedBackward:
         self.layouts = layouts  # per tangent: _traced_layout
         self.programs: dict[tuple[bool, ...], list[_Program]] = {}
         self.failed: dict[tuple[bool, ...], str] = {}
-        self._lock = threading.Lock()
+        self._aside: set[tuple[bool, ...]] = set()  # the sets of grads whose program compiles aside
+        self._lock = threading.RLock()  # held through a compile here, taken again to keep its program
 
     def grads(self, node: Any, by_nr: dict[int, torch.Tensor], wanted: tuple[bool, ...], batch_size: int,
               options: Any) -> tuple | str:
@@ -290,14 +296,28 @@ class SavedBackward:
                 return self.failed[wanted]
             if len(programs) >= MAX_PROGRAMS:
                 return f"{MAX_PROGRAMS} programs compiled for other sizes"
-            try:
-                program = _Program(self.graph, self.n_saved, wanted, args, options)
-            except Exception as e:  # noqa: BLE001 - the recompute path is always right
-                self.failed[wanted] = f"compiling it failed: {type(e).__name__}: {e}"
-                log.warning("dynbatch: compiling the batched backward of a compiled graph's saved activations "
-                            "failed, recomputing its forward instead: %s: %s", type(e).__name__, e)
-                return self.failed[wanted]
-            programs.append(program)
+            if options.compile == "background" and not traced_aside.on_thread():
+                if wanted not in self._aside:
+                    self._aside.add(wanted)
+                    traced_aside.compile_aside(_PLAN_NAME, lambda: self._compile(wanted, args, options))
+                return COMPILING_ASIDE
+            return self._compile(wanted, args, options)
+
+    def _compile(self, wanted: tuple[bool, ...], args: list[Any], options: Any) -> _Program | str:
+        """Compile the program for ``args`` (here, under the lock, or on a thread aside)."""
+        try:
+            program = _Program(self.graph, self.n_saved, wanted, args, options)
+        except Exception as e:  # noqa: BLE001 - the recompute path is always right
+            reason = f"compiling it failed: {type(e).__name__}: {e}"
+            log.warning("dynbatch: compiling the batched backward of a compiled graph's saved activations "
+                        "failed, recomputing its forward instead: %s: %s", type(e).__name__, e)
+            with self._lock:
+                self.failed[wanted] = reason
+                self._aside.discard(wanted)
+            return reason
+        with self._lock:
+            self.programs[wanted].append(program)
+            self._aside.discard(wanted)
         return program
 
     @staticmethod
