@@ -243,3 +243,24 @@ def test_a_hessian_around_a_compiled_model_waits_for_none_of_its_outside_program
                                 "outside_batched_saved": paths["outside_batched_saved"] + 2}
     dynbatch.reset()
     assert not [t for t in threading.enumerate() if t.name.startswith(("dynbatch-trace-aside", "dynbatch-compile-aside"))]
+
+
+def test_a_trace_waits_for_the_call_of_the_users_code_around_its_first_call():
+    """The first call of a model inside ``functional.hessian`` returns before the Hessian's
+    backward runs: the trace waits until the call the user's code made (``hessian``'s frame)
+    has returned, not only the model's (``traced_aside._entry_frame``)."""
+    import sys
+
+    import torch.autograd.functional as AF
+
+    seen = []
+
+    def energy(x):
+        seen.append(traced_aside._entry_frame(sys._getframe(1)))  # from its caller, as a trace asks
+        return (x ** 3).sum()
+
+    AF.hessian(energy, torch.randn(3, dtype=torch.float64))
+    assert [f.f_code.co_name for f in seen] == ["hessian"], seen
+    seen.clear()
+    energy(torch.randn(3))  # called by the user's code: its caller's frame
+    assert [f.f_code.co_name for f in seen] == ["test_a_trace_waits_for_the_call_of_the_users_code_around_its_first_call"], seen

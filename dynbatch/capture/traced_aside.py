@@ -31,7 +31,9 @@ calls change in place (a global list a step appends to) is read live.
 
 What stays on the user's thread: a first call pays the copy (1 ms for the bench's step, 20 ms
 for MACE's) and the thread's start; the trace waits until the first call has returned (it
-would take the GIL from it).  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
+would take the GIL from it), and the call of the user's code around it (``functional.hessian``
+around a compiled model, whose backward follows: a first Hessian took 13-19 ms beside the
+trace, 4-6 ms eagerly), for at most ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
 the GIL up, and would otherwise wait up to 5 ms to get it back.  Dynamo restores the CPU
 generator's state it saved when a trace began; on the thread that restore is skipped, so the
 user's calls meanwhile never see their random numbers again.  Where FX's tracing flag is
@@ -76,6 +78,9 @@ log = logging.getLogger("dynbatch")
 # is 5 ms, a stall per op).
 SWITCH_INTERVAL = 5e-5
 _POLL_SECONDS = 1e-3  # how often the thread looks whether the first call has returned
+# How long a trace waits, once the first call has returned, for the call of the user's code
+# around it (a loop inside torch, an optimizer's closure, could hold it for ever).
+ENTRY_SECONDS = 1.0
 
 _LOCK = threading.Lock()
 _ASIDE: dict[types.CodeType, "_Aside"] = {}
@@ -131,12 +136,12 @@ def on_thread() -> bool:
 def compile_aside(name: str, compile_now: Callable[[], None]) -> threading.Thread:
     """Run ``compile_now`` (a compile of dynbatch's own, not a frame's) on a thread, as a frame's
     trace runs: once the calling frame has returned, joined by ``shutdown``."""
-    caller, calling_frame = threading.get_ident(), sys._getframe(1)
+    caller, calling = threading.get_ident(), [sys._getframe(1)]
 
     def run() -> None:
         _ON_THREAD.tracing = True
         try:
-            _wait_while_running(caller, calling_frame)
+            _wait_while_running(caller, calling.pop())
             with _switching_often():
                 compile_now()
         finally:
@@ -274,16 +279,45 @@ _CALLBACK_FILES = tuple(os.path.join(*parts) for parts in (
 
 
 def _wait_while_running(thread_id: int, calling: types.FrameType | None) -> None:
-    """Until the caller's thread has left ``calling`` (the first call has returned): a
-    trace beside it would slow it down."""
+    """Until the caller's thread has left ``calling`` (the first call has returned) and the
+    call the user's code made that reached it (``_entry_frame``: ``functional.hessian``'s
+    around a compiled model, whose backward follows), or ENTRY_SECONDS after the first: a
+    trace beside them would slow them down."""
+    entry, deadline = _entry_frame(calling), None
     while calling is not None and not _STOPPING.is_set():
-        frame = sys._current_frames().get(thread_id)
-        while frame is not None and frame is not calling:
-            frame = frame.f_back
-        if frame is None:
-            return
-        del frame
+        if not _on_stack(thread_id, calling):
+            if deadline is None:
+                calling, deadline = entry, time.monotonic() + ENTRY_SECONDS
+            elif time.monotonic() > deadline:
+                return
+            if calling is None or not _on_stack(thread_id, calling):
+                return
         time.sleep(_POLL_SECONDS)
+
+
+def _on_stack(thread_id: int, wanted: types.FrameType) -> bool:
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None and frame is not wanted:
+        frame = frame.f_back
+    return frame is not None
+
+
+def _entry_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame through which the user's code made the call that reached ``frame``: ``frame``
+    itself where it is the user's, else the last of torch's and dynbatch's own below it."""
+    if frame is None or not _in_library(frame.f_code.co_filename):
+        return frame
+    while frame.f_back is not None and _in_library(frame.f_back.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def _in_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) and not filename.startswith(_NOT_LIBRARY_DIRS)
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["dynbatch"]))
+_NOT_LIBRARY_DIRS = (os.path.join(os.path.dirname(sys.modules["dynbatch"].__file__), "bench") + os.sep,)
 
 
 _switch_users = 0
