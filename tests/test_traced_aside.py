@@ -245,10 +245,10 @@ def test_a_hessian_around_a_compiled_model_waits_for_none_of_its_outside_program
     assert not [t for t in threading.enumerate() if t.name.startswith(("dynbatch-trace-aside", "dynbatch-compile-aside"))]
 
 
-def test_a_trace_waits_for_the_call_of_the_users_code_around_its_first_call():
-    """The first call of a model inside ``functional.hessian`` returns before the Hessian's
-    backward runs: the trace waits until the call the user's code made (``hessian``'s frame)
-    has returned, not only the model's (``traced_aside._entry_frame``)."""
+def test_a_trace_waits_for_the_function_of_the_users_code_that_made_the_first_call():
+    """A model's first call inside ``functional.hessian`` returns before the Hessian's backward
+    runs: the trace waits until the user's function that called ``hessian`` has returned, not
+    only the model's call (``traced_aside._entry_frame``, asked from the model's caller)."""
     import sys
 
     import torch.autograd.functional as AF
@@ -256,11 +256,30 @@ def test_a_trace_waits_for_the_call_of_the_users_code_around_its_first_call():
     seen = []
 
     def energy(x):
-        seen.append(traced_aside._entry_frame(sys._getframe(1)))  # from its caller, as a trace asks
+        seen.append(traced_aside._entry_frame(sys._getframe(1)))
         return (x ** 3).sum()
 
-    AF.hessian(energy, torch.randn(3, dtype=torch.float64))
-    assert [f.f_code.co_name for f in seen] == ["hessian"], seen
+    def users_hessian(x):
+        return AF.hessian(energy, x)
+
+    users_hessian(torch.randn(3, dtype=torch.float64))
+    assert [f.f_code.co_name for f in seen] == ["users_hessian"], seen
     seen.clear()
-    energy(torch.randn(3))  # called by the user's code: its caller's frame
-    assert [f.f_code.co_name for f in seen] == ["test_a_trace_waits_for_the_call_of_the_users_code_around_its_first_call"], seen
+    energy(torch.randn(3))  # called by the user's code itself
+    assert [f.f_code.co_name for f in seen] == [sys._getframe().f_code.co_name], seen
+
+
+def test_calls_that_ran_eagerly_meanwhile_do_not_count_toward_dynamos_recompile_limit():
+    """Dynamo numbers every call it is asked about, and a compile numbered past
+    ``accumulated_recompile_limit`` fails: the calls that ran eagerly while the frame was traced
+    aside take their numbers back, so a later recompile (another size) still compiles."""
+    compiled = compile_dynbatch(vjp_rows, options=ASIDE)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with torch._dynamo.config.patch(accumulated_recompile_limit=3):
+        for _ in range(5):  # before the trace starts (it waits for this function, a second at most)
+            assert_same_grads(compiled(x, V := torch.randn(3, 5, 6, dtype=torch.float64)), vjp_rows(x, V))
+        until_traced_aside(lambda: compiled(x, torch.randn(3, 5, 6, dtype=torch.float64)))
+        assert _counts()["aside_eager_calls"] >= 5, _counts()
+        y, V = torch.randn(7, 6, dtype=torch.float64), torch.randn(3, 7, 6, dtype=torch.float64)
+        assert_same_grads(compiled(y, V), vjp_rows(y, V))  # 7 rows: a recompile, here
+    assert_backend_ran(graphs=2, batched=2)

@@ -14,7 +14,7 @@ __all__ = ["compile_cache_counts", "compile_time_totals", "current_global_state"
            "dynamo_utils_module", "frame_compile_context", "frame_runs_eagerly", "fx_tracing_flag_is_global",
            "global_state_at_frame", "graph_break", "mark_batch_dynamic", "nested_fx_trace_errors_set",
            "no_fullgraph_count_for_this_call", "register_backend", "restart_analysis_exceptions",
-           "trace_autograd_ops_enabled"]
+           "trace_autograd_ops_enabled", "uncount_frame_compile"]
 
 
 def trace_autograd_ops_enabled() -> Any:
@@ -104,6 +104,19 @@ def nested_fx_trace_errors_set(value: bool) -> Callable[[], None]:
     previous = config.error_on_nested_fx_trace
     config.error_on_nested_fx_trace = value
     return lambda: setattr(config, "error_on_nested_fx_trace", previous)
+
+
+def uncount_frame_compile(compile_id: Any) -> None:
+    """Take back the number Dynamo gave a call of a frame that compiled nothing (private
+    ``convert_frame.FRAME_COMPILE_COUNTER``, 2.11-2.14): a compile whose number reaches
+    ``accumulated_recompile_limit`` (256) fails, so a frame called 256 times while its trace
+    runs aside could never compile again.  Only where no other call has taken one since."""
+    from torch._dynamo import convert_frame
+
+    counter = getattr(convert_frame, "FRAME_COMPILE_COUNTER", None)
+    frame_id, number = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
+    if counter is not None and frame_id is not None and number is not None and counter[frame_id] == number + 1:
+        counter[frame_id] = number
 
 
 def frame_compile_context(compile_id: Any) -> Any:

@@ -31,9 +31,10 @@ calls change in place (a global list a step appends to) is read live.
 
 What stays on the user's thread: a first call pays the copy (1 ms for the bench's step, 20 ms
 for MACE's) and the thread's start; the trace waits until the first call has returned (it
-would take the GIL from it), and the call of the user's code around it (``functional.hessian``
-around a compiled model, whose backward follows: a first Hessian took 13-19 ms beside the
-trace, 4-6 ms eagerly), for at most ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
+would take the GIL from it), and the function of the user's code that made it (a training
+step's, whose backward follows; a Hessian's around a compiled model: the PaiNN-style
+Hessian's first call took 13-19 ms beside the trace, 4-6 ms eagerly), for at most
+ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
 the GIL up, and would otherwise wait up to 5 ms to get it back.  Dynamo restores the CPU
 generator's state it saved when a trace began; on the thread that restore is skipped, so the
 user's calls meanwhile never see their random numbers again.  Where FX's tracing flag is
@@ -78,8 +79,8 @@ log = logging.getLogger("dynbatch")
 # is 5 ms, a stall per op).
 SWITCH_INTERVAL = 5e-5
 _POLL_SECONDS = 1e-3  # how often the thread looks whether the first call has returned
-# How long a trace waits, once the first call has returned, for the call of the user's code
-# around it (a loop inside torch, an optimizer's closure, could hold it for ever).
+# How long a trace waits, once the first call has returned, for the function of the user's
+# code that made it (a loop at a module's top level never returns).
 ENTRY_SECONDS = 1.0
 
 _LOCK = threading.Lock()
@@ -117,10 +118,14 @@ def compile_or_aside(compile_frame: Callable[..., Any], arguments: dict[str, Any
     if not aside.done.is_set():
         STATS.count("aside_eager_calls")
         _compat.no_fullgraph_count_for_this_call()  # fullgraph=True: not a frame Dynamo skipped
+        _compat.uncount_frame_compile(arguments.get("compile_id"))  # nor a compile
         return _compat.frame_runs_eagerly()
     with _LOCK:
         _ASIDE.pop(code, None)
-    return aside.hand_over(arguments)
+    result = aside.hand_over(arguments)
+    if result is not None:  # the thread's compile, numbered at the first call
+        _compat.uncount_frame_compile(arguments.get("compile_id"))
+    return result
 
 
 def running(code: types.CodeType | None) -> bool:
@@ -280,18 +285,15 @@ _CALLBACK_FILES = tuple(os.path.join(*parts) for parts in (
 
 def _wait_while_running(thread_id: int, calling: types.FrameType | None) -> None:
     """Until the caller's thread has left ``calling`` (the first call has returned) and the
-    call the user's code made that reached it (``_entry_frame``: ``functional.hessian``'s
-    around a compiled model, whose backward follows), or ENTRY_SECONDS after the first: a
-    trace beside them would slow them down."""
-    entry, deadline = _entry_frame(calling), None
-    while calling is not None and not _STOPPING.is_set():
-        if not _on_stack(thread_id, calling):
-            if deadline is None:
-                calling, deadline = entry, time.monotonic() + ENTRY_SECONDS
-            elif time.monotonic() > deadline:
-                return
-            if calling is None or not _on_stack(thread_id, calling):
-                return
+    function of the user's code that made it (``_entry_frame``: a training step's, whose
+    backward follows; one that calls ``functional.hessian`` around a compiled model), or
+    ENTRY_SECONDS after the first: a trace beside them would slow them down."""
+    entry = _entry_frame(calling)
+    while calling is not None and _on_stack(thread_id, calling) and not _STOPPING.is_set():
+        time.sleep(_POLL_SECONDS)
+    deadline = time.monotonic() + ENTRY_SECONDS
+    while entry is not None and _on_stack(thread_id, entry) and time.monotonic() < deadline \
+            and not _STOPPING.is_set():
         time.sleep(_POLL_SECONDS)
 
 
@@ -303,11 +305,9 @@ def _on_stack(thread_id: int, wanted: types.FrameType) -> bool:
 
 
 def _entry_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """The frame through which the user's code made the call that reached ``frame``: ``frame``
-    itself where it is the user's, else the last of torch's and dynbatch's own below it."""
-    if frame is None or not _in_library(frame.f_code.co_filename):
-        return frame
-    while frame.f_back is not None and _in_library(frame.f_back.f_code.co_filename):
+    """The frame of the user's code that made the call reaching ``frame``: the first at or
+    below it that is not torch's or dynbatch's own."""
+    while frame is not None and _in_library(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
