@@ -242,7 +242,8 @@ def test_a_hessian_around_a_compiled_model_waits_for_none_of_its_outside_program
     assert _outside_paths() == {**paths, "outside_grads_at_forward": paths["outside_grads_at_forward"] + 2,
                                 "outside_batched_saved": paths["outside_batched_saved"] + 2}
     dynbatch.reset()
-    assert not [t for t in threading.enumerate() if t.name.startswith(("dynbatch-trace-aside", "dynbatch-compile-aside"))]
+    assert not [t for t in threading.enumerate()
+                if t.name.startswith(("dynbatch-trace-aside", "dynbatch-compile-aside"))]
 
 
 def test_a_trace_waits_for_the_function_of_the_users_code_that_made_the_first_call():

@@ -34,8 +34,8 @@ for MACE's) and the thread's start; the trace waits until the first call has ret
 would take the GIL from it), and the function of the user's code that made it (a training
 step's, whose backward follows; a Hessian's around a compiled model: the PaiNN-style
 Hessian's first call took 13-19 ms beside the trace, 4-6 ms eagerly), for at most
-ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each eager op gives
-the GIL up, and would otherwise wait up to 5 ms to get it back.  Dynamo restores the CPU
+ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each
+eager op gives the GIL up, and would otherwise wait up to 5 ms to get it back.  Dynamo restores the CPU
 generator's state it saved when a trace began; on the thread that restore is skipped, so the
 user's calls meanwhile never see their random numbers again.  Where FX's tracing flag is
 process-wide (torch < 2.14), a compiled function called while the trace is inside ``make_fx``
@@ -140,7 +140,8 @@ def on_thread() -> bool:
 
 def compile_aside(name: str, compile_now: Callable[[], None]) -> threading.Thread:
     """Run ``compile_now`` (a compile of dynbatch's own, not a frame's) on a thread, as a frame's
-    trace runs: once the calling frame has returned, joined by ``shutdown``."""
+    trace runs: once the call that asked for it has returned (``_wait_while_running``), under
+    ``_switching_often``, joined by ``shutdown``."""
     caller, calling = threading.get_ident(), [sys._getframe(1)]
 
     def run() -> None:
@@ -316,6 +317,7 @@ def _in_library(filename: str) -> bool:
     return filename.startswith(_LIBRARY_DIRS) and not filename.startswith(_NOT_LIBRARY_DIRS)
 
 
+# Whose frames are not the user's code: torch's and dynbatch's, but the bench's workloads are.
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["dynbatch"]))
 _NOT_LIBRARY_DIRS = (os.path.join(os.path.dirname(sys.modules["dynbatch"].__file__), "bench") + os.sep,)
 

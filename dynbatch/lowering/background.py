@@ -273,13 +273,14 @@ class BackgroundProgram:
         future.add_done_callback(self._arrived)
 
     def __call__(self, args: list) -> Any:
-        compiled = self._compiled  # (set once, by the loading thread)
+        # Read in this order: the loading thread sets _compiled first, then drops _eager.
+        eager, compiled = self._eager, self._compiled
         if compiled is not None:
             STATS.count("background_compiled_calls")
             return compiled(args)
         self._eager_calls += 1
         STATS.count("background_eager_calls")
-        return self._eager(args)
+        return eager(args)
 
     def _arrived(self, future: Future) -> None:
         """The worker's answer (in the pool's reader thread): loaded on a thread of its own, so
@@ -314,8 +315,8 @@ class BackgroundProgram:
             return
         finally:
             self._load = self._post_compile = None
-        self._eager = None
         self._compiled = compiled if getattr(compiled, "_boxed_call", False) else _boxed(compiled)
+        self._eager = None
         log.info("dynbatch: Inductor's program of a %s graph took over after %d eager call(s), %.1f s",
                  self._kind, self._eager_calls, time.perf_counter() - self._started)
 
