@@ -109,9 +109,7 @@ def _while_aside(program, inputs, leaves, others, inner, out_grads, needed):
     STATS.count(ASIDE)
     if torch.is_grad_enabled():
         return program.eager_backward(inputs, others, out_grads, needed, create_graph=True)
-    return spread(torch.autograd.grad([inner[k] for k, _ in out_grads], select(leaves, needed),
-                                      [g for _, g in out_grads], retain_graph=_compat.backward_keeps_graph(),
-                                      allow_unused=True), needed)
+    return _inner_backward(inner, leaves, [k for k, _ in out_grads], needed, [g for _, g in out_grads])
 
 
 # NOTE [One path per request]
