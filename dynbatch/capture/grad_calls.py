@@ -110,12 +110,25 @@ def wrap_dynamo_compile(scope_for: Callable[[Any], Any]) -> None:
 
 def _traced_aside(backend: Any) -> bool:
     """Whether dynbatch's options, as ``torch.compile`` passed them, trace a frame aside."""
+    return _compiles_in_background(backend) and not traced_aside.on_thread()
+
+
+def _compiles_in_background(backend: Any) -> bool:
+    """Whether ``backend``'s options say ``dynbatch.compile="background"``, kept on the backend:
+    Dynamo asks at every call of a frame traced aside, and parsing the options builds Inductor's
+    options wrapper (which looks up its cache directory on disk)."""
+    known = getattr(backend, "_dynbatch_in_background", None)
+    if known is not None:
+        return known
     from ..options import Options
 
     try:
-        return traced_aside.applies(Options.from_compile_args(**_backend_kwargs(backend)))
+        known = Options.from_compile_args(**_backend_kwargs(backend)).compile == "background"
     except (ValueError, TypeError):
-        return False  # bad options: the compile here raises eager's error for them
+        known = False  # bad options: the compile here raises eager's error for them
+    with contextlib.suppress(AttributeError, TypeError):  # (a backend without a __dict__: parsed each time)
+        backend._dynbatch_in_background = known
+    return known
 
 
 def _backend_kwargs(fn: Any) -> dict[str, Any]:

@@ -90,11 +90,6 @@ _STOPPING = threading.Event()  # shutdown: a trace waits no longer for its first
 _OWN_COMPILES: set[threading.Thread] = set()  # compile_aside's threads
 
 
-def applies(options: Any) -> bool:
-    """Whether a frame compiled with ``options`` (dynbatch's, parsed) is traced aside."""
-    return options.compile == "background" and not on_thread()
-
-
 def compile_or_aside(compile_frame: Callable[..., Any], arguments: dict[str, Any]) -> Any:
     """Dynamo's answer for this call of a frame (``arguments``: ``convert_frame._compile``'s,
     by name), or None where it compiles here (``compile_frame(**arguments)``)."""
