@@ -263,8 +263,12 @@ def test_a_trace_waits_for_the_function_of_the_users_code_that_made_the_first_ca
     def users_hessian(x):
         return AF.hessian(energy, x)
 
+    def users_hessian_through_a_lambda(x):  # torch calls the user's lambda, which calls the model
+        return AF.hessian(lambda y: energy(y), x)
+
     users_hessian(torch.randn(3, dtype=torch.float64))
-    assert [f.f_code.co_name for f in seen] == ["users_hessian"], seen
+    users_hessian_through_a_lambda(torch.randn(3, dtype=torch.float64))
+    assert [f.f_code.co_name for f in seen] == ["users_hessian", "users_hessian_through_a_lambda"], seen
     seen.clear()
     energy(torch.randn(3))  # called by the user's code itself
     assert [f.f_code.co_name for f in seen] == [sys._getframe().f_code.co_name], seen

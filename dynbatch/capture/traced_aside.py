@@ -32,9 +32,10 @@ calls change in place (a global list a step appends to) is read live.
 What stays on the user's thread: a first call pays the copy (1 ms for the bench's step, 20 ms
 for MACE's) and the thread's start; the trace waits until the first call has returned (it
 would take the GIL from it), and the function of the user's code that made it (a training
-step's, whose backward follows; a Hessian's around a compiled model: the PaiNN-style
-Hessian's first call took 13-19 ms beside the trace, 4-6 ms eagerly), for at most
-ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each
+step's, whose backward follows; a Hessian's around a compiled model, not the ``lambda`` that
+``functional.hessian`` called: the PaiNN-style Hessian's first call took 13-19 ms beside the
+trace, 4-6 ms eagerly; the bench's, 146 ms after its lambda, 34-44 ms after its function,
+25 ms eagerly), for at most ENTRY_SECONDS more.  While it traces, Python's switch interval is 50 us instead of 5 ms: each
 eager op gives the GIL up, and would otherwise wait up to 5 ms to get it back.  Dynamo restores the CPU
 generator's state it saved when a trace began; on the thread that restore is skipped, so the
 user's calls meanwhile never see their random numbers again.  Where FX's tracing flag is
@@ -302,10 +303,17 @@ def _on_stack(thread_id: int, wanted: types.FrameType) -> bool:
 
 def _entry_frame(frame: types.FrameType | None) -> types.FrameType | None:
     """The frame of the user's code that made the call reaching ``frame``: the first at or
-    below it that is not torch's or dynbatch's own."""
-    while frame is not None and _in_library(frame.f_code.co_filename):
+    below it that is not torch's or dynbatch's own, nor a function of the user's that torch
+    called back (the ``lambda`` given to ``functional.hessian``: the Hessian goes on after it
+    returns); the first of the user's where every one is."""
+    first = None
+    while frame is not None:
+        if not _in_library(frame.f_code.co_filename):
+            first = first or frame
+            if frame.f_back is None or not _in_library(frame.f_back.f_code.co_filename):
+                return frame
         frame = frame.f_back
-    return frame
+    return first
 
 
 def _in_library(filename: str) -> bool:
