@@ -32,3 +32,21 @@ def test_a_warm_start_compiles_no_cpp_and_hits_inductors_cache(tmp_path):
     assert warm["seconds"] < cold["seconds"], (cold, warm)
     for run in (cold, warm):  # nothing counted twice: the phases fit in the call
         assert sum(run["phases"].values()) <= 1.02 * run["seconds"], run
+
+
+def test_the_hessian_table_gives_ratios_to_eager_with_and_without_torch_compile():
+    rows = [{"model": "message_passing N=8", "column": c, "start": "cold", "seconds": t, "call": call,
+             "phases": dict.fromkeys(PHASES, 0.0), "caches": {}, "max_diff": 0.0}
+            for c, t, call in (("eager", 0.02, 0.02), ("dynbatch+background", 0.2, 0.03))]
+    lines = first_call._table(rows, first_call.REFERENCE["hessian"]).splitlines()
+    assert "/ eager" in lines[0] and "call / eager's" in lines[0]
+    assert "| message_passing N=8 | dynbatch+background | cold | 0.2 | 10.00 | 0.030 | 1.50 |" in lines[3], lines[3]
+
+
+def test_a_hessian_around_the_model_run_eagerly_at_its_first_call_equals_eagers(tmp_path):
+    """The columns that run the first call without a compile (fresh processes): eager's own,
+    and stock's stance "eager_then_compile"; each compared with eager's Hessian."""
+    for column in ("eager", "stock_eager_then_compile"):
+        row = first_call._run(column, "message_passing", 8, str(tmp_path), threads=1, call="hessian")
+        assert "error" not in row, row
+        assert row["max_diff"] == 0.0 and 0 < row["call"] <= row["seconds"], row
