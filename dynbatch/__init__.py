@@ -20,6 +20,8 @@ graph).
 
 from __future__ import annotations
 
+import atexit
+
 from . import _compat
 from .backend import UnsupportedGraph, dynbatch_backend
 from .batching.batched_grad import batched_grad
@@ -57,13 +59,23 @@ def reset() -> None:
     """Clear counters, records and the sparse derivatives' plans, wait for the frames traced
     aside, and stop the background compiles' worker process (Dynamo's own caches are
     torch._dynamo.reset())."""
+    _stop_compiles()
+    STATS.reset()
+    _compressed.clear_caches()
+
+
+def _stop_compiles() -> None:
+    """Wait for the traces and compiles running aside, then stop the background worker once
+    its compiles have finished (they may still send it graphs).  Also at exit: a thread still
+    inside torch when the interpreter finalizes aborts the process."""
     from .capture import traced_aside
     from .lowering import background
 
     traced_aside.shutdown()
     background.shutdown()
-    STATS.reset()
-    _compressed.clear_caches()
+
+
+atexit.register(_stop_compiles)
 
 
 def register() -> None:

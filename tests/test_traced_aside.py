@@ -170,6 +170,43 @@ def test_reset_waits_for_a_trace_aside_and_leaves_no_thread():
 _211 = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
 
 
+_EXIT_MID_TRACE = """
+import atexit, threading
+
+def alive_after_dynbatch_stopped():  # registered before dynbatch's own handler: runs after it
+    print("alive at exit:", [t.name for t in threading.enumerate() if t is not threading.main_thread()])
+
+atexit.register(alive_after_dynbatch_stopped)
+
+import torch, dynbatch
+from torch.autograd import functional
+
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh()).double(),
+                      backend="dynbatch", options={"dynbatch.compile": "background"})
+
+def users_hessian(pos):
+    return functional.hessian(lambda p: model(p).sum(), pos, vectorize=True)
+
+users_hessian(torch.randn(5, 3, dtype=torch.double))  # the trace starts as it returns; the script ends
+"""
+
+
+def test_a_process_that_ends_while_a_trace_runs_aside_waits_for_it(tmp_path):
+    """A thread still inside torch when the interpreter finalizes aborts the process
+    ("terminate called without an active exception"): at exit dynbatch waits for the traces
+    and compiles running aside, then stops the worker (``dynbatch._stop_compiles``)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_mid_trace.py"
+    script.write_text(_EXIT_MID_TRACE)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert "alive at exit: []" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.xfail(
     _211, strict=False, reason="torch 2.11: once a frame was traced aside and Dynamo reset, the resume "
                               "function after a later frame's break is not compiled (its calls stay eager)"))])

@@ -149,6 +149,7 @@ def compile_aside(name: str, compile_now: Callable[[], None]) -> threading.Threa
         finally:
             with _LOCK:
                 _OWN_COMPILES.discard(threading.current_thread())
+            STATS.count("compiled_aside_finished")
 
     thread = threading.Thread(target=run, name=f"dynbatch-compile-aside-{name}", daemon=True)
     with _LOCK:

@@ -63,7 +63,6 @@ Inductor's cache for every later process to load.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -494,6 +493,3 @@ def shutdown() -> None:
     for their programs to load (``dynbatch.reset()``, and at exit)."""
     _WORKER.shutdown()
     _LOADING.join()
-
-
-atexit.register(shutdown)
