@@ -174,7 +174,9 @@ _EXIT_MID_TRACE = """
 import atexit, threading
 
 def alive_after_dynbatch_stopped():  # registered before dynbatch's own handler: runs after it
-    print("alive at exit:", [t.name for t in threading.enumerate() if t is not threading.main_thread()])
+    print("alive at exit:", [t.name for t in threading.enumerate()
+                             if t.name.startswith(("dynbatch-trace-aside", "dynbatch-compile-aside",
+                                                   "dynbatch-background"))])
 
 atexit.register(alive_after_dynbatch_stopped)
 
