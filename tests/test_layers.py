@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "dynbatch"
 # Bottom to top.  The root's shared modules are the floor; the backend, the public
 # package and the bench join everything and sit on top.
 LAYERS = (
-    ("shared", {"_compat", "fail_soft", "fx_utils", "graph_text", "options", "records"}),
+    ("shared", {"_compat", "fail_soft", "fx_utils", "graph_text", "options", "records", "threads"}),
     ("cpu", {"cpu"}),
     ("batching", {"batching"}),
     ("capture", {"capture"}),

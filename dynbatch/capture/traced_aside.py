@@ -71,7 +71,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import _compat
+from .. import _compat, threads
 from ..records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -88,7 +88,7 @@ _LOCK = threading.Lock()
 _ASIDE: dict[types.CodeType, "_Aside"] = {}
 _ON_THREAD = threading.local()  # set on a thread that traces aside
 _STOPPING = threading.Event()  # shutdown: a trace waits no longer for its first call to return
-_OWN_COMPILES: set[threading.Thread] = set()  # compile_aside's threads
+_THREADS = threads.Joined()  # the traces' and compile_aside's threads
 
 
 def compile_or_aside(compile_frame: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -147,14 +147,9 @@ def compile_aside(name: str, compile_now: Callable[[], None]) -> threading.Threa
             with _switching_often():
                 compile_now()
         finally:
-            with _LOCK:
-                _OWN_COMPILES.discard(threading.current_thread())
             STATS.count("compiled_aside_finished")
 
-    thread = threading.Thread(target=run, name=f"dynbatch-compile-aside-{name}", daemon=True)
-    with _LOCK:
-        _OWN_COMPILES.add(thread)
-    thread.start()
+    thread = _THREADS.start(run, f"dynbatch-compile-aside-{name}")
     STATS.count("compiled_aside")
     return thread
 
@@ -181,13 +176,10 @@ def _thread_local_state() -> str | None:
 def shutdown() -> None:
     """Wait for the traces running aside and forget them (``dynbatch.reset()``)."""
     with _LOCK:
-        threads = [aside.thread for aside in _ASIDE.values()] + list(_OWN_COMPILES)
         _ASIDE.clear()
-        _OWN_COMPILES.clear()
     _STOPPING.set()  # (shutdown may be called from within a first call)
     try:
-        for thread in threads:
-            thread.join()
+        _THREADS.join()
     finally:
         _STOPPING.clear()
 
@@ -216,11 +208,9 @@ class _Aside:
         self.result: Any = None
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self.thread = threading.Thread(target=self._trace, name=f"dynbatch-trace-aside-{self.code.co_name}",
-                                       daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        _THREADS.start(self._trace, f"dynbatch-trace-aside-{self.code.co_name}")
 
     def _trace(self) -> None:
         _ON_THREAD.tracing = True

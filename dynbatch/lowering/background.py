@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import _compat
+from .. import _compat, threads
 from ..records import STATS
 
 log = logging.getLogger("dynbatch")
@@ -295,7 +295,8 @@ class BackgroundProgram:
             STATS.count("background_compile_failures")
         else:
             STATS.count("background_compiles_finished")
-            _LOADING.start(self._hand_over, future.result())
+            output = future.result()
+            _LOADING.start(lambda: self._hand_over(output), "dynbatch-background-load")
             return
         self._load = self._post_compile = None
 
@@ -342,34 +343,7 @@ class BackgroundProgram:
         raise TypeError("a background program is not serialized (NOTE [Background compile])")
 
 
-class _Loading:
-    """The threads that load the worker's programs; ``shutdown`` waits for them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._threads: set[threading.Thread] = set()
-
-    def start(self, load: Callable[[Any], None], output: Any) -> None:
-        def run() -> None:
-            try:
-                load(output)
-            finally:
-                with self._lock:
-                    self._threads.discard(threading.current_thread())
-
-        thread = threading.Thread(target=run, name="dynbatch-background-load", daemon=True)
-        with self._lock:
-            self._threads.add(thread)
-        thread.start()
-
-    def join(self) -> None:
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join()
-
-
-_LOADING = _Loading()
+_LOADING = threads.Joined()  # the threads that load the worker's programs
 
 
 def _stopped(error: BaseException) -> bool:
