@@ -50,7 +50,7 @@ import torch
 
 from .. import _compat, fail_soft
 from ..batching import batch_rules, zero_tangents
-from . import fake_cuda_guard, requires_grad_tracing, traced_aside
+from . import autograd_functions, fake_cuda_guard, requires_grad_tracing, traced_aside
 from ..batching.batched_grad import batched_grad, forward_mode_jacobian, vmap_in_one_call
 from ..batching.grad_pass import TRACE_ERROR, UNSUPPORTED
 from .. import records
@@ -203,6 +203,8 @@ def capture_scope():
              requires_grad_tracing.dynamo_traces_requires_grad_of_intermediates),
         # after the line above: inputs here, the rest passed on to it
         soft("tracing requires_grad_() of graph inputs", requires_grad_tracing.dynamo_traces_requires_grad_of_inputs),
+        soft("autograd.Function backwards traced differentiable",
+             autograd_functions.dynamo_traces_backwards_in_their_grad_mode),
     ):
         yield
 

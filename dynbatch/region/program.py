@@ -20,7 +20,7 @@ import torch
 
 from .. import _compat
 from . import paths
-from ..capture import requires_grad_tracing, traced_aside
+from ..capture import autograd_functions, requires_grad_tracing, traced_aside
 from .args import merge, select, spread
 from .which_vmap import batching_of
 
@@ -164,6 +164,10 @@ def _max_out(out_grads) -> int:
 
 
 def graph_program(gm: torch.fx.GraphModule, is_input: tuple[bool, ...]) -> Callable:
+    # Dynamo traces it again for the programs built from it (NOTE [Functions differentiate
+    # as in eager] in capture/autograd_functions.py).
+    gm = autograd_functions.with_functions_applied(gm)
+
     def region(inputs, others):
         return tuple(gm(*merge(is_input, inputs, others)))
 
