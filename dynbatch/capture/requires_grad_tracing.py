@@ -128,16 +128,19 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
         return self
 
     def compile_subgraph(self, *args, **kwargs):
-        # A graph with no op is never handed to a backend (OutputGraph skips it), so
-        # no one would set the marked input's requires_grad: ``pos.requires_grad_()``
-        # right before a graph break was lost and the grad after it raised.  Trace
-        # the frame again with the call a graph break, as stock does.
-        if (not any("call" in n.op for n in self.graph.nodes)
-                and any(n.meta.get(REQUIRES_GRAD_AT_CALL) for n in self.graph.find_nodes(op="placeholder"))):
-            _INPUT_REQUIRES_GRAD_REFUSED.add(self.root_tx.f_code)
-            raise torch._dynamo.exc.RestartAnalysis(
-                restart_reason="dynbatch: requires_grad_() of a graph input in a graph with no op")
-        return original_compile_subgraph(self, *args, **kwargs)
+        # Only a placeholder the backend's graph keeps carries the mark to the region,
+        # which sets the real tensor's requires_grad.  Dynamo prunes a placeholder no
+        # op reads (``pos.requires_grad_()`` right before a graph break, an ``.item()``
+        # in a neighbour list, or in a graph with no op, which no backend sees): the
+        # flag was lost and the grad after the break raised.  Trace the frame again
+        # with the call a graph break, as stock does, so it runs eagerly.
+        marked = [n for n in self.graph.find_nodes(op="placeholder") if n.meta.get(REQUIRES_GRAD_AT_CALL)]
+        if any(not n.users for n in marked):
+            _refuse(self.root_tx.f_code, "no op of the graph reads it")
+        result = original_compile_subgraph(self, *args, **kwargs)
+        if any(n._erased for n in marked):
+            _refuse(self.root_tx.f_code, "the graph's dead code read it")
+        return result
 
     def STORE_ATTR(self, inst):  # noqa: N802 - Dynamo's opcode handler name
         if inst.argval == "requires_grad" and len(self.stack) >= 2:
@@ -171,6 +174,12 @@ def dynamo_traces_requires_grad_of_inputs() -> Iterator[None]:
 
 
 _STORE_ATTR = dis.opmap["STORE_ATTR"]
+
+
+def _refuse(code: Any, why: str) -> None:
+    _INPUT_REQUIRES_GRAD_REFUSED.add(code)
+    raise torch._dynamo.exc.RestartAnalysis(
+        restart_reason=f"dynbatch: requires_grad_() of a graph input that the graph drops ({why})")
 
 
 def _dispatch_tables(base: type) -> list[list]:
