@@ -29,6 +29,7 @@ log = logging.getLogger("dynbatch")
 # backward taken from outside runs programs that dynbatch compiles as graphs of
 # their own (verified the same way), except the plain backward, which is
 # AOTAutograd's compiled backward and is not checked.
+# A result eager can differentiate (a create_graph grad) must be differentiable too.
 # "Equal" is per dtype, relative to the largest magnitude of eager's output: miscompiles
 # show as errors of percents; reordered float sums as errors near the dtype's epsilon.
 _RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2,
@@ -59,6 +60,8 @@ def _tensor_mismatch(c: Any, e: torch.Tensor) -> str | None:
     if not isinstance(c, torch.Tensor) or c.shape != e.shape or c.dtype != e.dtype:
         return (f"{type(c).__name__} {getattr(c, 'dtype', '')}{list(getattr(c, 'shape', []))} where eager has "
                 f"Tensor {e.dtype}{list(e.shape)}")
+    if e.requires_grad and not c.requires_grad:
+        return "not differentiable where eager's is (requires_grad=False: a create_graph grad without grad_fn)"
     c, e = c.detach(), e.detach()
     rtol = _RTOL.get(e.dtype)
     if rtol is None:  # integers and bools: exact
