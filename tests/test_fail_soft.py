@@ -20,7 +20,7 @@ import dynbatch
 from conftest import FALLBACK, assert_same_grads, compile_dynbatch
 from dynbatch import _compat, fail_soft
 from dynbatch.batching import batch_rules
-from dynbatch.capture import grad_calls, fake_cuda_guard, requires_grad_tracing
+from dynbatch.capture import autograd_functions, grad_calls, fake_cuda_guard, requires_grad_tracing
 from dynbatch.lowering import inductor
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0)) / 3
@@ -118,6 +118,37 @@ def test_a_moved_requires_grad_hook_leaves_dynamos_graph_break(monkeypatch):
     assert sum("tracing requires_grad_() of graph inputs" in m for m in messages) == 1, messages
     assert any("requires_grad" in reason for reason in torch._dynamo.utils.counters["graph_break"]), \
         dict(torch._dynamo.utils.counters["graph_break"])
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_a_moved_autograd_function_hook_warns_and_first_order_grads_stay_eagers(monkeypatch):
+    # Without it a Function's backward is traced as stock traces it: under no_grad.
+    def moved():
+        raise AttributeError("AutogradFunctionApplyVariable.trace_backward_graph")
+
+    monkeypatch.setattr(autograd_functions, "dynamo_traces_backwards_in_their_grad_mode", moved)
+
+    def forces(pos):
+        return torch.autograd.grad(_Square.apply(pos).sin().sum(), pos)[0]
+
+    pos = torch.randn(4, 3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = compile_dynbatch(forces, options=FALLBACK)(pos)
+    assert_same_grads(got, forces(pos))
+    messages = _hook_warnings(seen)
+    assert sum("autograd.Function backwards traced differentiable" in m for m in messages) == 1, messages
 
 
 def test_a_batching_rule_for_an_op_this_torch_lacks_keeps_functorchs(monkeypatch):

@@ -275,15 +275,18 @@ def test_functions_with_vmap_rules_are_batched(F):
     assert VMAP_RULE_CALLS == [], "the Function's vmap rule is not needed to batch its backward"
 
 
-def test_function_applied_inside_a_backward_is_batched():
-    """Dynamo inlines the inner Function (its backward is not needed there)."""
+def test_a_function_applied_inside_a_backward_runs_eagerly():
+    """Its backward, traced differentiable, would run the inner Function under vmap, which
+    Dynamo's op for it cannot; stock inlined the inner forward, whose derivative is not the
+    inner backward (NOTE [Functions differentiate as in eager]).  So the outer Function
+    graph-breaks and runs as eager runs it."""
     program = function_program(FunctionInsideBackward)
     x, V = _args()
     expected = loop_grads((FunctionInsideBackward.apply(x) * 2,), (x,), (V,))
-    got = compile_dynbatch(program, fullgraph=True)(x, V)
+    got = compile_dynbatch(program, fullgraph=False)(x, V)
     assert_same_grads(got, expected)
-    c = dynbatch.counters()
-    assert c.get("grads_batched") == 1 and not c.get("fallbacks"), c
+    assert dynbatch.counters()["graphs"] >= 1 and not dynbatch.fallback_reasons()
+    assert any("backward applies another Function" in reason for reason in torch._dynamo.utils.counters["graph_break"])
 
 
 def test_numpy_in_backward_is_batched_where_eager_raises():

@@ -45,6 +45,10 @@ from .. import fx_utils
 # when its grads are differentiated, through a DelayedError node that Dynamo
 # cannot trace.  Tracing it under no_grad would return a grad that is silently
 # constant, so it graph-breaks instead and the Function runs as eager runs it.
+# So does a Function whose backward applies another Function: traced in grad
+# mode, the inner one is an ``autograd_function_apply`` op too, which a batched
+# backward then runs under vmap, and the op's own Function has no vmap rule
+# (stock inlined the inner forward, whose derivative is not the inner backward).
 
 @contextlib.contextmanager
 def dynamo_traces_backwards_in_their_grad_mode() -> Iterator[None]:
@@ -58,14 +62,13 @@ def dynamo_traces_backwards_in_their_grad_mode() -> Iterator[None]:
     original_call, original_trace = cls.call_function, cls.trace_backward_graph
     speculate = higher_order_ops.speculate_subgraph_with_auto_output_flattening
 
+    def runs_eagerly(self, why):
+        unimplemented(gb_type=f"dynbatch: an autograd.Function whose backward {why}", context=str(self.bwd_fn),
+                      explanation="it runs eagerly, so every derivative through it is eager's", hints=[])
+
     def call_function(self, tx, args, kwargs):
         if is_once_differentiable(self.bwd_fn):
-            unimplemented(
-                gb_type="dynbatch: a once_differentiable autograd.Function",
-                context=str(self.bwd_fn),
-                explanation="its backward cannot be differentiated; run eagerly, a second "
-                            "derivative through it raises eager's error",
-                hints=[])
+            runs_eagerly(self, "is once_differentiable")
         return original_call(self, tx, args, kwargs)
 
     def in_their_grad_mode(*args, **kwargs):
@@ -77,9 +80,12 @@ def dynamo_traces_backwards_in_their_grad_mode() -> Iterator[None]:
         # The backward's speculation is the only call of it whose grad mode is False.
         higher_order_ops.speculate_subgraph_with_auto_output_flattening = in_their_grad_mode
         try:
-            return original_trace(self, *args, **kwargs)
+            traced = original_trace(self, *args, **kwargs)
         finally:
             higher_order_ops.speculate_subgraph_with_auto_output_flattening = speculate
+        if traced[2].find_nodes(op="call_function", target=_HOP):
+            runs_eagerly(self, "applies another Function")
+        return traced
 
     cls.call_function, cls.trace_backward_graph = call_function, trace_backward_graph
     try:
