@@ -675,3 +675,37 @@ def test_a_second_backward_through_a_graph_a_compiled_grad_consumed_is_the_one_l
     torch.testing.assert_close(x.grad, expected_grad)
     torch.testing.assert_close(g, expected_grad)
     assert dynbatch.counters()["graphs"] == 1
+
+
+# --- each path that answers "as eager would", held to it -------------------------------
+
+@pytest.mark.parametrize("site", ["create_graph", "hessian", "train"])
+@pytest.mark.parametrize("construct", ["function", "library_custom_op", "buffer_written", "checkpoint"])
+def test_the_eager_rerun_of_a_regions_backward_keeps_eagers_contract(monkeypatch, construct, site):
+    """``outside_eager``: the region's graph re-run eagerly for a create_graph backward
+    (forced here) gives differentiable grads whose second derivatives are eager's."""
+    from dynbatch.region import create_graph
+
+    monkeypatch.setattr(create_graph, "why_vjp_runs_eagerly", lambda *args: "forced by the test")
+    eager = run_case(construct, site, "around", "eager")
+    torch._dynamo.reset()
+    got = run_case(construct, site, "around", "dynbatch")
+    assert not differences(got, eager), differences(got, eager)
+    assert dynbatch.counters().get("outside_eager", 0) >= 1 and not dynbatch.fallback_reasons()
+
+
+@pytest.mark.parametrize("construct", ["function", "library_custom_op", "buffer_written", "tensor_hook"])
+def test_the_captured_graph_run_eagerly_keeps_eagers_contract(monkeypatch, construct):
+    """The backend's fallback (a batched graph it cannot lower runs as Dynamo captured it),
+    forced for a Hessian inside one compiled function."""
+    from dynbatch import backend
+
+    def cannot_lower(*args, **kwargs):
+        raise RuntimeError("forced by the test")
+
+    monkeypatch.setattr(backend, "_lower_within_budget", cannot_lower)
+    eager = run_case(construct, "hessian_vectorized", "inside", "eager")
+    torch._dynamo.reset()
+    got = run_case(construct, "hessian_vectorized", "inside", "dynbatch")
+    assert not differences(got, eager), differences(got, eager)
+    assert "forced by the test" in " ".join(dynbatch.fallback_reasons())
