@@ -18,6 +18,7 @@ from torch.torch_version import TorchVersion
 
 import dynbatch
 from conftest import FALLBACK, assert_same_grads, compile_dynbatch
+from test_parity import Square
 from dynbatch import _compat, fail_soft
 from dynbatch.batching import batch_rules
 from dynbatch.capture import autograd_functions, grad_calls, fake_cuda_guard, requires_grad_tracing
@@ -120,18 +121,6 @@ def test_a_moved_requires_grad_hook_leaves_dynamos_graph_break(monkeypatch):
         dict(torch._dynamo.utils.counters["graph_break"])
 
 
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
-
 def test_a_moved_autograd_function_hook_warns_and_first_order_grads_stay_eagers(monkeypatch):
     # Without it a Function's backward is traced as stock traces it: under no_grad.
     def moved():
@@ -140,7 +129,7 @@ def test_a_moved_autograd_function_hook_warns_and_first_order_grads_stay_eagers(
     monkeypatch.setattr(autograd_functions, "dynamo_traces_backwards_in_their_grad_mode", moved)
 
     def forces(pos):
-        return torch.autograd.grad(_Square.apply(pos).sin().sum(), pos)[0]
+        return torch.autograd.grad(Square.apply(pos).sin().sum(), pos)[0]
 
     pos = torch.randn(4, 3, requires_grad=True)
     with warnings.catch_warnings(record=True) as seen:

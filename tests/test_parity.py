@@ -112,13 +112,8 @@ class ScaleWithVmap(torch.autograd.Function):
         return x * scale, in_dims[0]
 
 
-class SquareOnce(torch.autograd.Function):
+class SquareOnce(Square):
     """A ``once_differentiable`` backward: eager raises when it is differentiated."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -160,12 +155,7 @@ class DoubleTimes(torch.autograd.Function):
         return 2 * g * gg, 2 * x * gg
 
 
-class SquareWithAFunctionInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
+class SquareWithAFunctionInBackward(Square):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
