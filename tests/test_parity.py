@@ -699,3 +699,30 @@ def test_the_captured_graph_run_eagerly_keeps_eagers_contract(monkeypatch, const
     got = run_case(construct, "hessian_vectorized", "inside", "dynbatch")
     assert not differences(got, eager), differences(got, eager)
     assert "forced by the test" in " ".join(dynbatch.fallback_reasons())
+
+
+class StopGradient(torch.autograd.Function):
+    """A Function whose backward gives no grad: autograd still runs the nodes before it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+def test_a_backward_that_reaches_a_compiled_model_with_no_grad():
+    """The engine calls the model's node with no grad at all (a SevenNet Hessian's rows):
+    its backward answers None for every input (it once returned too few Nones)."""
+    model = Potential("function")
+    pos = _positions().requires_grad_()
+
+    def site(m):
+        return torch.autograd.grad(StopGradient.apply(m(pos)) + (pos * pos).sum(), pos)
+
+    eager = observe(lambda: site(model), model, [pos])
+    got = observe(lambda: site(torch.compile(model, backend="dynbatch", options=AOT_EAGER)), model, [pos])
+    assert not differences(got, eager), differences(got, eager)
+    assert dynbatch.counters()["graphs"] == 1

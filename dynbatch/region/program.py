@@ -300,7 +300,7 @@ class _ProgramFunction(torch.autograd.Function):
             # ask it (_will_engine_execute_node walks the graph, a few us per edge).
             needed = tuple(node is not None for node, _ in ctx.next_functions[:n])
         if not out_grads or not any(needed):
-            return (None, None, None, *(None,) * len(ctx.others))
+            return (None, None, None, *(None,) * (n + len(ctx.others)))
         grads_in = paths.backward(program, inputs, leaves, others, inner, out_grads, needed,
                                   forward_grads, ctx.first_grad, ran_eagerly=ctx.ran_eagerly)
         if program.grads_ignore is not None and all(k >= ctx.first_grad for k, _ in out_grads):
