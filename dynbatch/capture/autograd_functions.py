@@ -103,10 +103,6 @@ def is_once_differentiable(backward: Any) -> bool:
 _ONCE_DIFFERENTIABLE_CODE = torch.autograd.function.once_differentiable(lambda ctx: None).__code__
 
 
-def applies_functions(gm: torch.fx.GraphModule) -> bool:
-    return any(n.target is _HOP for n in gm.graph.find_nodes(op="call_function", target=_HOP))
-
-
 def with_functions_applied(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` where each ``autograd_function_apply`` node calls the Function that its
     forward and backward graphs make: the same values and derivatives, in code Dynamo
@@ -119,7 +115,9 @@ def with_functions_applied(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         function = _function_of(getattr(new, fwd.target), getattr(new, bwd.target),
                                 **{k: tuple(node.kwargs.get(k, ())) for k in _HOP_KWARGS})
         node.target, node.args, node.kwargs = _applier(function), tuple(args), {}
-    new.graph.eliminate_dead_code()
+        for graph_attr in (fwd, bwd):
+            if not graph_attr.users:  # only the op read it; nothing else is removed
+                new.graph.erase_node(graph_attr)
     new.recompile()
     return new
 
